@@ -1,0 +1,82 @@
+"""Every environment variable the plugin reads, in one place, typed.
+
+Parsed on each call (no import-time caching) so tests and operators can flip them
+between server launches; the adapter reads them once per cache at HiCache init.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# The spellings SGLang's own EnvBool (sglang.srt.environ) accepts, case-insensitive.
+TRUE_SPELLINGS = ("true", "1", "yes", "y")
+FALSE_SPELLINGS = ("false", "0", "no", "n")
+
+# SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC: pipeline the per-step ack-count all_reduce.
+# Default on; "0" (or any false spelling) keeps SGLang's blocking path everywhere.
+ENABLE_VAR = "SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC"
+ENABLE_DEFAULT = True
+
+# SGLANG_HICACHE_ASYNC_ACK_DEPTH: how many reduces may be in flight (lag depth k).
+# Each step waits on the one issued k steps ago; acks are popped k steps late.
+DEPTH_VAR = "SGLANG_HICACHE_ASYNC_ACK_DEPTH"
+DEPTH_DEFAULT = 1
+DEPTH_MAX = 8  # beyond this the added lag outweighs any latency a host could hide
+
+# SGLANG_PLUGINS: SGLang's own comma-separated whitelist of general plugins. Read
+# here only to report (doctor) whether our entry point would be skipped.
+PLUGINS_VAR = "SGLANG_PLUGINS"
+ENTRY_POINT_NAME = "hicache_async_ack"
+
+
+@dataclass(frozen=True)
+class Settings:
+    enabled: bool
+    depth: int
+
+
+def parse_bool(name: str, raw: str | None, default: bool) -> bool:
+    if raw is None or raw == "":
+        return default
+    value = raw.strip().lower()
+    if value in TRUE_SPELLINGS:
+        return True
+    if value in FALSE_SPELLINGS:
+        return False
+    raise ValueError(
+        f"{name}={raw!r} is not a boolean; accepted values (case-insensitive): "
+        f"{', '.join(TRUE_SPELLINGS)} to enable, {', '.join(FALSE_SPELLINGS)} to disable"
+    )
+
+
+def parse_depth(name: str, raw: str | None, default: int) -> int:
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        depth = int(raw.strip())
+    except ValueError:
+        depth = 0
+    if not 1 <= depth <= DEPTH_MAX:
+        raise ValueError(
+            f"{name}={raw!r} is not a valid lag depth; accepted values: an integer "
+            f"from 1 to {DEPTH_MAX} (1 = pop acks one step late, the default)"
+        )
+    return depth
+
+
+def read_settings(environ: dict[str, str] | None = None) -> Settings:
+    """Read and validate the plugin's settings; raises ValueError on bad input."""
+    env = os.environ if environ is None else environ
+    return Settings(
+        enabled=parse_bool(ENABLE_VAR, env.get(ENABLE_VAR), ENABLE_DEFAULT),
+        depth=parse_depth(DEPTH_VAR, env.get(DEPTH_VAR), DEPTH_DEFAULT),
+    )
+
+
+def plugin_whitelisted(environ: dict[str, str] | None = None) -> bool:
+    """Whether SGLANG_PLUGINS (if set) lets SGLang's loader pick our entry point."""
+    env = os.environ if environ is None else environ
+    raw = env.get(PLUGINS_VAR, "")
+    allowed = {x.strip() for x in raw.split(",") if x.strip()}
+    return not allowed or ENTRY_POINT_NAME in allowed

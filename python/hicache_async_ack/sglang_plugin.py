@@ -1,0 +1,439 @@
+"""Thin SGLang adapter: hooks, eligibility, lifecycle.
+
+Entry point ``hicache_async_ack = hicache_async_ack.sglang_plugin:register`` in
+the group ``sglang.srt.plugins``; SGLang's ``load_plugins()`` calls
+:func:`register` in every process, then applies the hooks.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Optional
+
+from . import __version__
+from .core import Consumed, HiCacheAckSyncError, PipelinedAckSync
+from .env import DEPTH_VAR, ENABLE_VAR, Settings, read_settings
+
+logger = logging.getLogger("sglang.srt.mem_cache.hicache_async_ack")
+
+CACHE_MODULE = "sglang.srt.mem_cache.unified_radix_cache"
+CACHE_CLASS = f"{CACHE_MODULE}.UnifiedRadixCache"
+CHECKED_AGAINST = "sglang 0.5.23"
+_MARK = "_hicache_async_ack_hook"  # set on our hook functions, found via __wrapped__
+_STATE_ATTR = "_hicache_async_ack_state"
+
+# Methods the hooks call or wrap, with the parameter names they rely on.
+REQUIRED_METHODS: dict[str, tuple[str, ...]] = {
+    "check_hicache_events": ("self",),
+    "_sync_hicache_ready_counts": ("self",),
+    "init_hicache": ("self", "server_args", "params"),
+    "writing_check": ("self", "write_back", "finish_count"),
+    "loading_check": ("self", "finish_count"),
+    "_count_ready_acks": ("self", "ack_queue"),
+    "_drain_storage_control_queues_impl": (
+        "self",
+        "n_storage_hit",
+        "n_ack_prefetch",
+        "n_backup",
+        "n_release",
+        "extra_release_counts",
+        "log_metrics",
+    ),
+}
+# Instance attributes read per cache (checked when the cache is first seen).
+REQUIRED_CACHE_ATTRS = (
+    "cache_controller",
+    "linker",
+    "host_memory_mode",
+    "pp_size",
+    "tp_group",
+    "tp_world_size",
+    "attn_cp_group",
+    "attn_tp_group",
+    "enable_storage",
+    "tree_core",
+)
+ACK_QUEUES = ("ack_write_queue", "ack_load_queue")
+STORAGE_QUEUES = (  # upstream's tensor order after the two ack counts
+    "prefetch_hit_queue",
+    "ack_prefetch_queue",
+    "ack_backup_queue",
+    "host_mem_release_queue",
+)
+
+
+# ---------------------------------------------------------------- version guard
+def upstream_shape_problems(cls: Any = None) -> list[str]:
+    """What the hooks rely on but this SGLang lacks; empty when supported."""
+    if cls is None:
+        try:
+            import importlib
+
+            cls = importlib.import_module(CACHE_MODULE).UnifiedRadixCache
+        except Exception as exc:  # noqa: BLE001 - any import failure means unsupported
+            return [f"cannot import {CACHE_CLASS}: {exc!r}"]
+    problems = []
+    for name, params in REQUIRED_METHODS.items():
+        fn = getattr(cls, name, None)
+        if not callable(fn):
+            problems.append(f"{name}() is missing")
+            continue
+        fn = inspect.unwrap(fn)
+        got = tuple(inspect.signature(fn).parameters)
+        if got != params:
+            problems.append(f"{name}{got} != expected {name}{params}")
+    return problems
+
+
+# ------------------------------------------------------------------ eligibility
+@dataclass(frozen=True)
+class Decision:
+    pipelined: bool
+    reason: str
+    group: Any = None
+    world_size: int = 1
+
+
+def _world_size(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group=group)
+
+
+def collective_groups(cache) -> list[tuple[str, Any, int]]:
+    """The groups upstream's _all_reduce_attn_groups reduces over, in order."""
+    groups = [
+        (label, g, _world_size(g))
+        for label, g in (("attn CP", cache.attn_cp_group), ("attn TP", cache.attn_tp_group))
+        if g is not None and _world_size(g) > 1
+    ]
+    if not groups and cache.tp_world_size > 1:
+        groups = [("TP", cache.tp_group, cache.tp_world_size)]
+    return groups
+
+
+def static_decision(cache) -> Decision:
+    """The part of eligibility fixed for the cache's lifetime (its groups)."""
+    missing = [a for a in REQUIRED_CACHE_ATTRS if not hasattr(cache, a)]
+    if missing:
+        return Decision(False, f"this SGLang's cache lacks {', '.join(missing)}")
+    for name in ("check_hicache_events", "_sync_hicache_ready_counts"):
+        if not _is_hooked(getattr(type(cache), name)):
+            return Decision(
+                False,
+                f"{type(cache).__name__}.{name} is not our hook (overridden by a "
+                "subclass, or the hook failed to apply)",
+            )
+    groups = collective_groups(cache)
+    if not groups:
+        return Decision(False, "world size 1: upstream runs no collective, nothing to hide")
+    if len(groups) > 1:
+        names = " + ".join(f"{label}({ws})" for label, _, ws in groups)
+        return Decision(False, f"{names}: two collectives per step")
+    label, group, ws = groups[0]
+    return Decision(True, f"one {label} group", group, ws)
+
+
+def dynamic_blocker(cache) -> Optional[str]:
+    """Per-step conditions (cheap attribute reads) that force the blocking path."""
+    if cache.cache_controller is None:
+        return "HiCache controller not attached"
+    if cache.linker is not None:
+        return "external cache linker attached"
+    if cache.host_memory_mode != "cache":
+        return f"host memory mode {cache.host_memory_mode!r} (only 'cache' pipelines)"
+    if cache.pp_size != 1:
+        return f"pp_size={cache.pp_size}"
+    cc = cache.cache_controller
+    missing = [a for a in ACK_QUEUES if not hasattr(cc, a)]
+    if missing:
+        return f"this SGLang's cache controller lacks {', '.join(missing)}"
+    return None
+
+
+# ------------------------------------------------------------------- queue views
+def _queue_by_name(cc, name: Hashable):
+    if isinstance(name, tuple):  # ("extra", pool_name)
+        return getattr(cc, "extra_host_mem_release_queues", {}).get(name[1])
+    return getattr(cc, name, None)
+
+
+def _queue_head(q, n: int) -> list:
+    if q is None:
+        return []
+    if isinstance(q, list):
+        return q[:n]
+    with q.mutex:  # queue.Queue filled by storage threads
+        return list(itertools.islice(q.queue, n))
+
+
+def ready_entries(cache) -> tuple[dict[Hashable, list], int]:
+    """Entries ready now at the head of each queue, in upstream's tensor order,
+    and the write_back duplicate-reclaim digest."""
+    cc = cache.cache_controller
+    ready: dict[Hashable, list] = {}
+    for name in ACK_QUEUES:
+        q = getattr(cc, name)
+        ready[name] = q[: cache._count_ready_acks(q)]
+    if cache.enable_storage:
+        names: list[Hashable] = list(STORAGE_QUEUES)
+        names += [("extra", p) for p in getattr(cc, "extra_host_mem_release_queues", {})]
+        for name in names:
+            q = _queue_by_name(cc, name)
+            with q.mutex:  # every queued storage entry counts; size and refs at once
+                ready[name] = list(q.queue)
+    return ready, int(cache.tree_core.write_back_duplicate_reclaim_digest)
+
+
+def head_reader(cache) -> Callable[[Hashable, int], list]:
+    cc = cache.cache_controller
+
+    def head(name: Hashable, n: int) -> list:
+        return [] if cc is None else _queue_head(_queue_by_name(cc, name), n)
+
+    return head
+
+
+def upstream_counts(consumed: Optional[Consumed]):
+    """A Consumed as upstream's _sync_hicache_ready_counts return value."""
+    if consumed is None:
+        return 0, 0, (), ()
+    pops = consumed.pops
+    storage = tuple(pops[n] for n in pops if n not in ACK_QUEUES)
+    extra = tuple(n[1] for n in pops if isinstance(n, tuple))
+    return pops["ack_write_queue"], pops["ack_load_queue"], storage, extra
+
+
+def pop_agreed(cache, consumed: Consumed) -> None:
+    """Pop a consumed agreement through upstream's own methods (stand-down path)."""
+    write, load, storage, extra = upstream_counts(consumed)
+    cache.writing_check(finish_count=write)
+    cache.loading_check(finish_count=load)
+    if cache.enable_storage and storage:
+        cache._drain_storage_control_queues_impl(
+            n_storage_hit=storage[0],
+            n_ack_prefetch=storage[1],
+            n_backup=storage[2],
+            n_release=storage[3],
+            extra_release_counts=dict(zip(extra, storage[4:])),
+            log_metrics=True,
+        )
+
+
+# ----------------------------------------------------------------- per-cache state
+def torch_min_all_reduce(group) -> Callable[[list[int]], Any]:
+    import torch
+    import torch.distributed as dist
+
+    class _Handle:
+        __slots__ = ("work", "tensor")
+
+        def __init__(self, values):
+            self.tensor = torch.tensor(values, dtype=torch.int64)
+            self.work = dist.all_reduce(
+                self.tensor, op=dist.ReduceOp.MIN, group=group, async_op=True
+            )
+
+        def wait(self):
+            self.work.wait()
+            return self.tensor.tolist()
+
+    return _Handle
+
+
+# group -> Collective; tests swap in a fake MIN collective here.
+collective_factory: Callable[[Any], Callable[[list[int]], Any]] = torch_min_all_reduce
+
+
+class CacheState:
+    """What the plugin keeps per UnifiedRadixCache."""
+
+    def __init__(self, cache, settings: Settings):
+        self.settings = settings
+        self.static = static_decision(cache)
+        self.sync = (
+            PipelinedAckSync(collective_factory(self.static.group), settings.depth)
+            if self.static.pipelined
+            else None
+        )
+        self.in_pipelined_step = False
+        self.due: Optional[Consumed] = None
+        self._announced: Optional[str] = None
+
+    def decide(self, cache) -> Decision:
+        if not self.settings.enabled:
+            return Decision(False, f"{ENABLE_VAR}=0")
+        if not self.static.pipelined:
+            return self.static
+        blocker = dynamic_blocker(cache)
+        if blocker:
+            return Decision(False, blocker)
+        return self.static
+
+    def announce(self, decision: Decision) -> None:
+        """One line per rank (and one more on each change of path)."""
+        line = (
+            f"HiCache ack sync: pipelined over the {decision.reason} "
+            f"(world size {decision.world_size}, depth {self.settings.depth}; "
+            f"hicache-async-ack {__version__})"
+            if decision.pipelined
+            else f"HiCache ack sync: blocking (upstream path) because {decision.reason} "
+            f"(hicache-async-ack {__version__})"
+        )
+        if line != self._announced:
+            self._announced = line
+            logger.info(line)
+
+
+def state_of(cache) -> Optional[CacheState]:
+    return cache.__dict__.get(_STATE_ATTR)
+
+
+def _attach_state(cache) -> CacheState:
+    state = CacheState(cache, read_settings())
+    cache.__dict__[_STATE_ATTR] = state
+    return state
+
+
+# ------------------------------------------------------------------------ hooks
+def _hook(fn):
+    setattr(fn, _MARK, True)
+    return fn
+
+
+def _is_hooked(fn) -> bool:
+    """Whether one of our hooks sits in ``fn``'s wrapper chain. HookRegistry's
+    wrappers keep the hook in a closure cell and the original in __wrapped__."""
+    while fn is not None:
+        cells = getattr(fn, "__closure__", None) or ()
+        if getattr(fn, _MARK, False) or any(
+            getattr(_cell_value(c), _MARK, False) for c in cells
+        ):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # empty cell
+        return None
+
+
+@_hook
+def after_init_hicache(result, cache, *args, **kwargs):
+    """AFTER UnifiedRadixCache.init_hicache: decide once, say it once per rank."""
+    state = _attach_state(cache)
+    state.announce(state.decide(cache))
+    return result
+
+
+@_hook
+def around_check_hicache_events(original, cache, *args, **kwargs):
+    """AROUND UnifiedRadixCache.check_hicache_events: the pipelined step."""
+    state = state_of(cache)
+    if state is None:  # init_hicache hook missing (or a cache built another way)
+        state = _attach_state(cache)
+    decision = state.decide(cache)
+    state.announce(decision)
+    sync = state.sync
+    if not decision.pipelined:
+        if sync is not None and sync.pending:
+            # Consume what is in flight first so every rank leaves the pipelined
+            # path with the same pops; the blocking path then syncs the rest.
+            sync.drain(head_reader(cache), lambda c: pop_agreed(cache, c))
+        return original(cache, *args, **kwargs)
+    # Steps 1, 2 and 4 are upstream's: it reaps PP work, flushes backups, calls
+    # _sync_hicache_ready_counts (our hook hands it the consumed agreement), pops
+    # through writing_check / loading_check / the storage drain, flushes buffers.
+    state.due = sync.consume_due(head_reader(cache))
+    state.in_pipelined_step = True
+    try:
+        result = original(cache, *args, **kwargs)
+    finally:
+        state.in_pipelined_step = False
+        state.due = None
+    # Step 3, after the pops: count what is ready now and put it in flight.
+    ready, digest = ready_entries(cache)
+    sync.issue(ready, digest)
+    return result
+
+
+@_hook
+def around_sync_hicache_ready_counts(original, cache, *args, **kwargs):
+    """AROUND UnifiedRadixCache._sync_hicache_ready_counts: inside a pipelined
+    step, return the agreement consumed at the top of the step instead of
+    running the blocking all_reduce; anywhere else, upstream's."""
+    state = state_of(cache)
+    if state is None or not state.in_pipelined_step:
+        return original(cache, *args, **kwargs)
+    return upstream_counts(state.due)
+
+
+def _raise_config_error(error: ValueError):
+    @_hook
+    def before_init_hicache(cache, *args, **kwargs):
+        raise error
+
+    return before_init_hicache
+
+
+# (target attribute, hook type name, hook). Checked against sglang 0.5.23.
+# - init_hicache AFTER: runs once per cache after the controller exists; builds
+#   the per-cache state and logs pipelined/blocking. Stands down (logs blocking)
+#   for every ineligible topology.
+# - check_hicache_events AROUND: the pipelined step (consume -> upstream pops ->
+#   issue). Stands down to the original when the decision is blocking, after
+#   draining anything in flight.
+# - _sync_hicache_ready_counts AROUND: replaces the blocking reduce only while a
+#   pipelined step is running on that cache; otherwise calls the original.
+HOOKS: tuple[tuple[str, str, Callable], ...] = (
+    ("init_hicache", "AFTER", after_init_hicache),
+    ("check_hicache_events", "AROUND", around_check_hicache_events),
+    ("_sync_hicache_ready_counts", "AROUND", around_sync_hicache_ready_counts),
+)
+
+
+def register() -> None:
+    """Entry point called by SGLang's load_plugins() in every process."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    try:
+        settings = read_settings()
+    except ValueError as error:
+        # load_plugins() swallows exceptions from plugins; raise from a hook at
+        # HiCache init instead so the server refuses to start with a bad value.
+        logger.error("hicache-async-ack: %s", error)
+        HookRegistry.register(
+            f"{CACHE_CLASS}.init_hicache", _raise_config_error(error), HookType.BEFORE
+        )
+        return
+    if not settings.enabled:
+        logger.info("HiCache ack sync: blocking (upstream path) because %s=0", ENABLE_VAR)
+        return
+    problems = upstream_shape_problems()
+    if problems:
+        logger.warning(
+            "hicache-async-ack %s: this SGLang does not match what the plugin was "
+            "checked against (%s); registering no hooks, stock behaviour kept: %s",
+            __version__,
+            CHECKED_AGAINST,
+            "; ".join(problems),
+        )
+        return
+    for attr, kind, hook in HOOKS:
+        HookRegistry.register(f"{CACHE_CLASS}.{attr}", hook, getattr(HookType, kind))
+    logger.debug("hicache-async-ack: hooks registered (depth env %s)", DEPTH_VAR)
+
+
+__all__ = [
+    "HiCacheAckSyncError",
+    "register",
+    "upstream_shape_problems",
+    "static_decision",
+    "dynamic_blocker",
+]

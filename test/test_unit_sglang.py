@@ -1,0 +1,234 @@
+"""Unit tests on the real sglang UnifiedRadixCache with a fake MIN collective."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import FakeGroup
+
+from hicache_async_ack.core import HiCacheAckSyncError
+
+DONE = lambda: True  # noqa: E731
+NOT_YET = lambda: False  # noqa: E731
+
+
+def acks(sim, kind, n, done=DONE):
+    return [sim.add_ack(kind, done) for _ in range(n)]
+
+
+def test_first_step_issues_one_reduce_and_pops_nothing(make_cache, fake_collective):
+    sim = make_cache(tp=2)
+    acks(sim, "write", 2)
+    sim.cache.check_hicache_events()
+    assert sim.take_pops() == []
+    assert fake_collective.issued == [[2, 0, 0, 0]]
+    assert all(not h.waited for h in fake_collective.handles)
+
+
+def test_pops_previous_counts_then_reduces_the_remainder(make_cache, fake_collective):
+    sim = make_cache(tp=2)
+    w = acks(sim, "write", 3)
+    ld = acks(sim, "load", 1)
+    sim.cache.check_hicache_events()  # issues [3, 1]
+    w += acks(sim, "write", 2)  # finish between the steps
+    sim.cache.check_hicache_events()  # pops the agreed 3 + 1, then counts 2
+    assert sim.take_pops() == [("write", u) for u in w[:3]] + [("load", ld[0])]
+    assert fake_collective.issued[1][:2] == [2, 0]  # only what remained after popping
+    sim.cache.check_hicache_events()
+    assert sim.take_pops() == [("write", u) for u in w[3:]]
+
+
+def test_waits_before_using_reduced_counts(make_cache, fake_collective):
+    sim = make_cache(tp=2)
+    w = acks(sim, "write", 3)
+    # The peer had only one ack ready; that is known only once wait() returns.
+    fake_collective.peer = lambda v: [1, 0] + v[2:]
+    order = fake_collective.events
+    sim.cache.check_hicache_events()
+    real_finish = sim.cache._finish_write_through_ack
+
+    def finish(ack_id):
+        order.append(("pop", ack_id))
+        real_finish(ack_id)
+
+    sim.cache.__dict__["_finish_write_through_ack"] = finish
+    sim.cache.check_hicache_events()
+    assert sim.take_pops() == [("write", w[0])]
+    kinds = [e[0] for e in order]
+    assert kinds == ["issue", "wait", "pop", "issue"]
+    # The two acks the peer had not agreed on are still queued and counted again.
+    assert fake_collective.issued[-1][0] == 2
+
+
+def test_never_pops_an_unfinished_ack(make_cache, fake_collective):
+    sim = make_cache(tp=2)
+    state = {"done": False}
+    ready = acks(sim, "write", 1)
+    late = sim.add_ack("write", lambda: state["done"])
+    for _ in range(3):
+        sim.cache.check_hicache_events()
+    assert sim.take_pops() == [("write", ready[0])]
+    state["done"] = True
+    sim.cache.check_hicache_events()  # counted now, popped next step
+    assert sim.take_pops() == []
+    sim.cache.check_hicache_events()
+    assert sim.take_pops() == [("write", late)]
+    assert sim.cc.violations == []
+
+
+def test_digest_mismatch_raises_ranks_diverged(make_cache, fake_collective):
+    sim = make_cache(tp=2)
+    sim.tree.write_back_duplicate_reclaim_digest = 7
+    fake_collective.peer = lambda v: v[:-2] + [5, -9]
+    sim.cache.check_hicache_events()
+    with pytest.raises(HiCacheAckSyncError, match="ranks diverged"):
+        sim.cache.check_hicache_events()
+
+
+def test_failed_wait_surfaces_and_is_not_retried(make_cache, fake_collective):
+    sim = make_cache(tp=2)
+    acks(sim, "write", 1)
+    sim.cache.check_hicache_events()
+    fake_collective.fail_on_wait = RuntimeError("Connection closed by peer")
+    with pytest.raises(HiCacheAckSyncError, match="HiCache ack sync failed"):
+        sim.cache.check_hicache_events()
+    fake_collective.fail_on_wait = None
+    issued = len(fake_collective.issued)
+    with pytest.raises(HiCacheAckSyncError, match="will not retry"):
+        sim.cache.check_hicache_events()
+    assert len(fake_collective.issued) == issued  # no new collective after a failure
+
+
+def test_storage_counts_use_upstream_layout_and_drain(make_cache, fake_collective):
+    sim = make_cache(tp=2, storage=True, extra_pools=("mamba",))
+    e_hit = sim.cc.put_storage("prefetch_hit_queue")
+    e_bak = [sim.cc.put_storage("ack_backup_queue") for _ in range(2)]
+    e_rel = sim.cc.put_storage("host_mem_release_queue")
+    e_ext = sim.cc.put_storage(("extra", "mamba"))
+    w = acks(sim, "write", 1)
+    sim.cache.check_hicache_events()
+    assert fake_collective.issued[0] == [1, 0, 1, 0, 2, 1, 1, 0, 0]
+    # the peer has one backup ack fewer
+    sim.cc.put_storage("ack_backup_queue")
+    fake_collective.peer = lambda v: [v[0], v[1], v[2], v[3], v[4] - 1] + v[5:]
+    sim.cache.check_hicache_events()
+    pops = sim.take_pops()
+    assert ("write", w[0]) in pops
+    assert ("prefetch_hit_queue", e_hit) in pops
+    assert [p for p in pops if p[0] == "ack_backup_queue"] == [("ack_backup_queue", e_bak[0])]
+    assert ("host_mem_release_queue", e_rel) in pops
+    assert (("extra", "mamba"), e_ext) in pops
+    assert fake_collective.issued[1][:7] == [0, 0, 0, 0, 2, 0, 0]
+
+
+def test_tp1_applies_local_counts_at_once(make_cache, fake_collective):
+    sim = make_cache(tp=1, tp_group=None, tp_world_size=1)
+    w = acks(sim, "write", 2)
+    sim.cache.check_hicache_events()
+    assert sim.take_pops() == [("write", u) for u in w]  # same step, no lag
+    assert fake_collective.issued == []
+
+
+def _fake_blocking_reduce(sim, log):
+    """Stand in for upstream's blocking _all_reduce on a fake group."""
+
+    def all_reduce(tensor, op):
+        log.append(("blocking", tensor.tolist()))
+
+    sim.cache.__dict__["_all_reduce"] = all_reduce
+
+
+def test_switch_to_blocking_consumes_pending_first(make_cache, fake_collective):
+    sim = make_cache(tp=2)
+    log = fake_collective.events
+    _fake_blocking_reduce(sim, log)
+    w = acks(sim, "write", 2)
+    sim.cache.check_hicache_events()
+    w += acks(sim, "write", 1)
+    sim.cache.host_memory_mode = "buffer_only"  # the cache stops being eligible
+    sim.cache.check_hicache_events()
+    assert [e[0] for e in log] == ["issue", "wait", "blocking"]
+    # the pending agreement popped 2, the blocking sync counted the 3rd
+    assert log[-1][1][:2] == [1, 0]
+    assert sim.take_pops() == [("write", u) for u in w]
+    from hicache_async_ack.sglang_plugin import state_of
+
+    assert state_of(sim.cache).sync.pending == 0
+
+
+def test_opt_out_env_keeps_blocking_path(make_cache, fake_collective):
+    sim = make_cache(tp=2, env={"SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC": "0"})
+    log = []
+    _fake_blocking_reduce(sim, log)
+    acks(sim, "write", 1)
+    sim.cache.check_hicache_events()
+    assert fake_collective.issued == []
+    assert log and log[0][0] == "blocking"
+
+
+def test_depth_two_consumes_the_reduce_issued_two_steps_ago(make_cache, fake_collective):
+    sim = make_cache(tp=2, env={"SGLANG_HICACHE_ASYNC_ACK_DEPTH": "2"})
+    w = acks(sim, "write", 1)
+    sim.cache.check_hicache_events()
+    w += acks(sim, "write", 1)
+    sim.cache.check_hicache_events()
+    assert sim.take_pops() == []
+    assert [h.waited for h in fake_collective.handles] == [False, False]
+    sim.cache.check_hicache_events()
+    assert sim.take_pops() == [("write", w[0])]
+    # the second reduce also covered w[0]; it must not be popped twice
+    sim.cache.check_hicache_events()
+    assert sim.take_pops() == [("write", w[1])]
+
+
+@pytest.mark.parametrize(
+    "kwargs, changes, pipelined, reason",
+    [
+        (dict(tp=4), {}, True, "one TP group"),
+        (dict(attn_cp_group=FakeGroup(2, "cp")), {}, True, "one attn CP group"),
+        (dict(attn_tp_group=FakeGroup(4, "atp")), {}, True, "one attn TP group"),
+        (
+            dict(attn_cp_group=FakeGroup(2, "cp"), attn_tp_group=FakeGroup(2, "atp")),
+            {},
+            False,
+            "two collectives",
+        ),
+        (dict(tp=1, tp_group=None, tp_world_size=1), {}, False, "world size 1"),
+        (dict(tp=2, pp_size=2), {}, False, "pp_size=2"),
+        (dict(tp=2, host_memory_mode="buffer_only"), {}, False, "host memory mode"),
+        (dict(tp=2), {"linker": object()}, False, "linker"),
+        (dict(tp=2), {"cache_controller": None}, False, "controller not attached"),
+    ],
+)
+def test_eligibility_rules(make_cache, plugin, kwargs, changes, pipelined, reason):
+    sim = make_cache(**kwargs)
+    sim.cache.__dict__.update(changes)
+    decision = plugin.state_of(sim.cache).decide(sim.cache)
+    assert decision.pipelined is pipelined
+    assert reason in decision.reason
+
+
+def test_subclass_overriding_check_hicache_events_stays_blocking(plugin, fake_collective):
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    from hicache_async_ack.simulated import build_cache
+
+    class Custom(UnifiedRadixCache):
+        def check_hicache_events(self):
+            return super().check_hicache_events()
+
+    sim = build_cache(tp_group=FakeGroup(2), tp_world_size=2)
+    sim.cache.__class__ = Custom
+    decision = plugin.static_decision(sim.cache)
+    assert not decision.pipelined and "overridden" in decision.reason
+
+
+def test_announces_once_per_rank(make_cache, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="sglang.srt.mem_cache.hicache_async_ack")
+    sim = make_cache(tp=4)
+    for _ in range(3):
+        sim.cache.check_hicache_events()
+    lines = [r.getMessage() for r in caplog.records if "HiCache ack sync" in r.getMessage()]
+    assert len(lines) == 1
+    assert "pipelined over the one TP group (world size 4, depth 1" in lines[0]
