@@ -77,9 +77,7 @@ def fake_collective(plugin, monkeypatch):
     """Route the plugin's reduce through a FakeCollective; FakeGroup sizes."""
     coll = FakeCollective()
     monkeypatch.setattr(plugin, "collective_factory", lambda group: coll)
-    monkeypatch.setattr(
-        plugin, "_world_size", lambda g: g.size if isinstance(g, FakeGroup) else 1
-    )
+    monkeypatch.setattr(plugin, "_world_size", lambda g: g.size if isinstance(g, FakeGroup) else 1)
     return coll
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from conftest import FakeGroup
 
 from hicache_async_ack.core import HiCacheAckSyncError
+
+from conftest import FakeGroup
 
 DONE = lambda: True  # noqa: E731
 NOT_YET = lambda: False  # noqa: E731

@@ -67,10 +67,8 @@ def still_queued(agreed: Sequence[object], head: Sequence[object]) -> int:
     if not agreed or not head:
         return 0
     first = head[0]
-    for j, entry in enumerate(agreed):
-        if entry is first:
-            break
-    else:
+    j = next((i for i, entry in enumerate(agreed) if entry is first), None)
+    if j is None:
         return 0  # every agreed entry has already been removed by another path
     n = len(agreed) - j
     for i in range(n):
@@ -111,8 +109,7 @@ class PipelinedAckSync:
     def _check_usable(self) -> None:
         if self._failed is not None:
             raise HiCacheAckSyncError(
-                "HiCache ack sync already failed on this rank and will not retry: "
-                f"{self._failed}"
+                f"HiCache ack sync already failed on this rank and will not retry: {self._failed}"
             ) from self._failed
 
     def issue(
@@ -132,9 +129,7 @@ class PipelinedAckSync:
         self._step += 1
         self._pending.append(_Pending(handle, names, snap, digest, self._step))
 
-    def consume_due(
-        self, head: Callable[[Hashable, int], Sequence[object]]
-    ) -> Consumed | None:
+    def consume_due(self, head: Callable[[Hashable, int], Sequence[object]]) -> Consumed | None:
         """Consume the oldest reduce if ``depth`` are in flight, else None.
 
         ``head(name, n)`` returns (up to) the first ``n`` entries currently in

@@ -309,9 +309,7 @@ def _is_hooked(fn) -> bool:
     wrappers keep the hook in a closure cell and the original in __wrapped__."""
     while fn is not None:
         cells = getattr(fn, "__closure__", None) or ()
-        if getattr(fn, _MARK, False) or any(
-            getattr(_cell_value(c), _MARK, False) for c in cells
-        ):
+        if getattr(fn, _MARK, False) or any(getattr(_cell_value(c), _MARK, False) for c in cells):
             return True
         fn = getattr(fn, "__wrapped__", None)
     return False

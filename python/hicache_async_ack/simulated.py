@@ -16,9 +16,9 @@ by design.
 from __future__ import annotations
 
 import queue
-from types import SimpleNamespace
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable, Optional
 
 
@@ -31,25 +31,24 @@ class OverDrained(AssertionError):
 
 
 class SimEvent:
-    __slots__ = ("done", "sim", "label")
+    __slots__ = ("done", "sim", "label", "forced")
 
     def __init__(self, done: Callable[[], bool], sim: "SimController", label):
         self.done = done
         self.sim = sim
         self.label = label
+        self.forced = False
 
     def query(self) -> bool:
-        return self.done()
+        return self.forced or self.done()
 
     def synchronize(self) -> None:
-        if self.done():
+        if self.query():
             return
         if not self.sim.blocking_flush:
             self.sim.violations.append(f"popped unfinished ack {self.label}")
             raise UnfinishedAckPopped(f"ack {self.label} popped before it finished")
-        while not self.done():  # a blocking flush waits, like a CUDA event sync
-            if not self.sim.wait_for(self):
-                return
+        self.forced = True  # a write-back flush waits for the copy, by design
 
     def elapsed_time(self, other) -> float:
         return 0.0
@@ -116,7 +115,6 @@ class SimController:
         self.pops: list = []  # (queue, uid) in pop order, for this rank
         self.violations: list[str] = []
         self.blocking_flush = False
-        self.wait_for: Callable[[SimEvent], bool] = lambda ev: False
         self.ack_write_queue: list = []
         self.ack_load_queue: list = []
         self.pending_writes: list = []  # submitted by start_writing()
@@ -147,9 +145,9 @@ class SimController:
     def detach_storage(self) -> None:
         self.enable_storage = False
 
-    def put_storage(self, name) -> int:
+    def put_storage(self, name, uid: Optional[int] = None) -> int:
         """Put one entry on a storage queue; returns the uid its pop records."""
-        uid = self.next_uid()
+        uid = self.next_uid() if uid is None else uid
         if isinstance(name, tuple) or name == "host_mem_release_queue":
             import torch
 
@@ -157,13 +155,13 @@ class SimController:
         else:
             item = Entry(uid=uid, id=uid, handle=("sim", uid))
             item.operation = item
-        q = (
-            self.extra_host_mem_release_queues[name[1]]
-            if isinstance(name, tuple)
-            else getattr(self, name)
-        )
-        q.put(item)
+        self.storage_queue(name).put(item)
         return uid
+
+    def storage_queue(self, name) -> RecordingQueue:
+        if isinstance(name, tuple):  # ("extra", pool_name)
+            return self.extra_host_mem_release_queues[name[1]]
+        return getattr(self, name)
 
     # -- what upstream's controller does
     def start_writing(self) -> None:
@@ -292,6 +290,8 @@ def build_cache(
         ongoing_prefetch={},
         session_refs=tree,  # reset() only calls .reset() on it
         session=SimpleNamespace(slots={}),
+        host_pool_group=None,
+        _storage_attachment=None,
     )
     sim = SimCache(cache, cc, tree)
 

@@ -1,0 +1,49 @@
+"""``hicache-async-ack`` command line: ``bench`` and ``doctor``."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from . import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import bench, doctor
+
+    parser = argparse.ArgumentParser(
+        prog="hicache-async-ack",
+        description="SGLang plugin that pipelines the per-step HiCache ack-count "
+        "all_reduce. Commands to check it is active and to measure what it saves.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{bench,doctor}", required=True)
+    bench.add_parser(sub)
+    doctor.add_parser(sub)
+    return parser
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv=None) -> int:
+    from .bench import BenchError
+
+    args = build_parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)  # tear ranks down on SIGTERM too
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"hicache-async-ack {args.command}: interrupted; ranks killed", file=sys.stderr)
+        return 130
+    except BenchError as exc:
+        print(f"hicache-async-ack {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

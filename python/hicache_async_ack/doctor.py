@@ -1,0 +1,236 @@
+"""``hicache-async-ack doctor``: would the plugin be active here, and what does
+the blocking path cost on this host?
+
+Exit status 0 when SGLang's loader would pick the plugin up and it would run
+(installed entry point, allowed by SGLANG_PLUGINS, enabled, valid settings,
+supported SGLang); 1 otherwise. The gloo latency measurement is informational.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+
+from . import __version__
+from .env import (
+    DEPTH_DEFAULT,
+    DEPTH_VAR,
+    ENABLE_DEFAULT,
+    ENABLE_VAR,
+    ENTRY_POINT_NAME,
+    PLUGINS_VAR,
+    parse_bool,
+    parse_depth,
+    plugin_whitelisted,
+    read_settings,
+)
+
+GROUP = "sglang.srt.plugins"
+DEFAULT_ROUNDS = 200
+TENSOR_LEN = 10
+
+
+@dataclass
+class Report:
+    lines: list[tuple[str, str]] = field(default_factory=list)
+    blockers: list[str] = field(default_factory=list)
+
+    def add(self, key: str, value: str) -> None:
+        self.lines.append((key, value))
+
+    def block(self, why: str) -> None:
+        self.blockers.append(why)
+
+
+def _allreduce_rank(ctx, cfg: dict) -> dict:
+    """Per round: align the ranks with a broadcast (the scheduler's
+    recv_requests), time one blocking MIN all_reduce of a small int64 tensor,
+    then idle a little, as between scheduler steps."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.zeros(TENSOR_LEN, dtype=torch.int64)
+    b = torch.zeros(1, dtype=torch.int64)
+    lat = []
+    warm = cfg["warmup"]
+    total = warm + cfg["rounds"]
+    ctx.report(0)
+    for i in range(total):
+        dist.broadcast(b, src=0)
+        t0 = time.perf_counter()
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        dt = time.perf_counter() - t0
+        if i >= warm:
+            lat.append(dt * 1000.0)
+        time.sleep(cfg["gap_ms"] / 1000.0)
+        ctx.report(i + 1)
+    return {"lat_ms": lat}
+
+
+def measure_allreduce(tp: int, rounds: int, gap_ms: float = 1.0) -> dict:
+    from .bench import quantile, run_ranks
+
+    res = run_ranks(
+        _allreduce_rank,
+        tp,
+        {"rounds": rounds, "warmup": 20, "gap_ms": gap_ms},
+        timeout_s=60.0 + rounds * (gap_ms + 50.0) / 1000.0,
+        label="gloo all_reduce measurement",
+    )
+    lat = [x for r in res for x in r["lat_ms"]]
+    return {"median": quantile(lat, 0.5), "p90": quantile(lat, 0.9), "n": len(lat)}
+
+
+def _entry_point():
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=GROUP):
+        if ep.name == ENTRY_POINT_NAME:
+            return ep
+    return None
+
+
+def diagnose(tp: int, step_ms: float, rounds: int) -> Report:
+    from importlib import metadata
+
+    rep = Report()
+    try:
+        dist_version = metadata.version("hicache-async-ack")
+    except metadata.PackageNotFoundError:
+        dist_version = None
+    here = os.path.dirname(os.path.abspath(__file__))
+    plugin = f"{__version__} ({here})"
+    if dist_version is None:
+        plugin += "; NOT installed as a distribution"
+    elif dist_version != __version__:
+        plugin += f"; installed metadata says {dist_version} (stale install?)"
+    rep.add("plugin", f"hicache-async-ack {plugin}")
+
+    try:
+        sglang_version = metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        sglang_version = None
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = None
+    rep.add("SGLang", sglang_version or "not installed")
+    rep.add("torch", torch_version or "not installed")
+
+    from .sglang_plugin import CHECKED_AGAINST, upstream_shape_problems
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        problems = upstream_shape_problems()
+    if problems:
+        rep.add("supported", "NO: " + "; ".join(problems))
+        rep.block(f"this SGLang is not supported (checked against {CHECKED_AGAINST})")
+    else:
+        rep.add("supported", f"yes (hooked methods match; checked against {CHECKED_AGAINST})")
+
+    ep = _entry_point()
+    if ep is None:
+        rep.add("entry point", f"MISSING: no {ENTRY_POINT_NAME!r} in group {GROUP}")
+        rep.block("the entry point is not installed (pip install the plugin)")
+    else:
+        rep.add("entry point", f"{ep.name} = {ep.value} (group {GROUP})")
+
+    raw_plugins = os.environ.get(PLUGINS_VAR)
+    if plugin_whitelisted():
+        shown = "unset: every installed plugin loads" if not raw_plugins else repr(raw_plugins)
+        rep.add(PLUGINS_VAR, f"{shown} -> loaded")
+    else:
+        rep.add(PLUGINS_VAR, f"{raw_plugins!r} -> SKIPPED ({ENTRY_POINT_NAME} not listed)")
+        rep.block(f"{PLUGINS_VAR}={raw_plugins!r} does not list {ENTRY_POINT_NAME}")
+
+    for var, parse, default in (
+        (ENABLE_VAR, parse_bool, ENABLE_DEFAULT),
+        (DEPTH_VAR, parse_depth, DEPTH_DEFAULT),
+    ):
+        raw = os.environ.get(var)
+        shown = "unset" if raw is None else repr(raw)
+        try:
+            value = parse(var, raw, default)
+        except ValueError as exc:
+            rep.add(var, f"{shown} -> INVALID: {exc}")
+            rep.block(f"{var} is invalid: HiCache init would raise and the server not start")
+            continue
+        if var == ENABLE_VAR:
+            rep.add(var, f"{shown} -> {'enabled' if value else 'DISABLED'}"
+                    + (" (default)" if raw in (None, "") else ""))
+            if not value:
+                rep.block(f"{ENABLE_VAR}={raw} keeps the blocking path")
+        else:
+            rep.add(var, f"{shown} -> depth {value}" + (" (default)" if raw in (None, "") else ""))
+    try:
+        read_settings()
+    except ValueError:
+        pass  # already reported per variable
+
+    if rounds > 0:
+        try:
+            m = measure_allreduce(tp, rounds)
+        except Exception as exc:  # noqa: BLE001 - informational only
+            rep.add("gloo all_reduce", f"measurement failed: {exc}")
+        else:
+            med = m["median"]
+            rep.add(
+                "gloo all_reduce",
+                f"{tp} ranks on 127.0.0.1, {rounds} x {TENSOR_LEN} int64 MIN: "
+                f"median {med:.3f} ms, p90 {m['p90']:.3f} ms",
+            )
+            penalty = med / (step_ms + med) if step_ms + med > 0 else 0.0
+            rep.add(
+                "blocking penalty",
+                f"~{100 * penalty:.1f}% of throughput at {step_ms:g} ms/step "
+                f"(median / (step + median)); pipelined hides it",
+            )
+    else:
+        rep.add("gloo all_reduce", "not measured (--rounds 0)")
+    return rep
+
+
+def run(args) -> int:
+    t0 = time.monotonic()
+    rep = diagnose(args.tp, args.step_ms, args.rounds)
+    width = max(len(k) for k, _ in rep.lines)
+    print(f"hicache-async-ack doctor ({time.monotonic() - t0:.1f} s)")
+    for k, v in rep.lines:
+        print(f"  {k.ljust(width)}  {v}")
+    if rep.blockers:
+        print("verdict: plugin INACTIVE - SGLang would run the blocking path:")
+        for b in rep.blockers:
+            print(f"  - {b}")
+        return 1
+    print("verdict: plugin ACTIVE - SGLang's loader applies it in every process")
+    return 0
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    from .bench import DEFAULT_STEP_MS, DEFAULT_TP, MAX_TP, _int_in, _nonneg_float
+
+    p = sub.add_parser(
+        "doctor",
+        help="check the plugin would be active here; measure this host's gloo latency",
+        description="Report versions, SGLang support, entry point, SGLANG_PLUGINS and "
+        "the plugin's env settings, and measure the N-rank gloo all_reduce latency. "
+        "Exits non-zero when the plugin would not be active.",
+    )
+    p.add_argument("--tp", type=_int_in("--tp", 1, MAX_TP), default=DEFAULT_TP,
+                   help=f"ranks for the latency measurement (default {DEFAULT_TP})")
+    p.add_argument("--step-ms", type=_nonneg_float("--step-ms"), default=DEFAULT_STEP_MS,
+                   help=f"step time for the predicted penalty (default {DEFAULT_STEP_MS:g})")
+    p.add_argument("--rounds", type=_int_in("--rounds", 0), default=DEFAULT_ROUNDS,
+                   help=f"all_reduces to time (default {DEFAULT_ROUNDS}; 0 skips)")
+    p.set_defaults(func=run)
+    return p
+
+
+if __name__ == "__main__":
+    from .cli import main
+
+    sys.exit(main(["doctor", *sys.argv[1:]]))

@@ -1,0 +1,158 @@
+"""The engine-agnostic core and the env parsing: no SGLang import here."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from hicache_async_ack import env
+from hicache_async_ack.core import HiCacheAckSyncError, PipelinedAckSync, still_queued
+
+
+class Ref:
+    """An entry with identity (acks are compared with `is`, never ==)."""
+
+    def __eq__(self, other):  # equal values must not fool the reconciliation
+        return True
+
+    __hash__ = object.__hash__
+
+
+class Hub:
+    """Single-rank MIN collective whose peer value can be programmed."""
+
+    def __init__(self):
+        self.peer = None
+        self.issued = []
+
+    def __call__(self, values):
+        self.issued.append(values)
+        hub = self
+
+        class H:
+            def wait(self):
+                peer = hub.peer or values
+                return [min(a, b) for a, b in zip(values, peer)]
+
+        return H()
+
+
+def test_core_imports_without_sglang():
+    code = (
+        "import sys, hicache_async_ack.core, hicache_async_ack.env;"
+        "assert not any(m.startswith('sglang') for m in sys.modules), 'sglang imported';"
+        "assert 'torch' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_still_queued_counts_only_agreed_entries_at_the_head():
+    a, b, c, d = Ref(), Ref(), Ref(), Ref()
+    assert still_queued([a, b, c], [a, b, c, d]) == 3
+    assert still_queued([a, b, c], [b, c, d]) == 2  # a popped by another path
+    assert still_queued([a, b, c], [d]) == 0  # all gone (flush), d is newer
+    assert still_queued([a, b, c], []) == 0  # reset
+    assert still_queued([], [a]) == 0
+
+
+def test_still_queued_rejects_a_reordered_queue():
+    a, b, c = Ref(), Ref(), Ref()
+    with pytest.raises(HiCacheAckSyncError, match="FIFO"):
+        still_queued([a, b, c], [a, c, b])
+
+
+def test_consume_waits_only_when_depth_reached():
+    hub = Hub()
+    sync = PipelinedAckSync(hub, depth=3)
+    q = [Ref() for _ in range(5)]
+    head = lambda name, n: q[:n]  # noqa: E731
+    for i in range(3):
+        assert sync.consume_due(head) is None
+        sync.issue({"w": q[: i + 1]}, digest=0)
+    got = sync.consume_due(head)
+    assert got.pops == {"w": 1} and got.issued_step == 1
+    assert sync.pending == 2
+
+
+def test_pop_count_is_the_peer_min_still_queued():
+    hub = Hub()
+    sync = PipelinedAckSync(hub, depth=1)
+    q = [Ref() for _ in range(4)]
+    sync.issue({"w": q[:4], "l": []}, digest=3)
+    assert hub.issued == [[4, 0, 3, -3]]
+    hub.peer = [2, 0, 3, -3]
+    del q[0]  # a write-back flush took the first one meanwhile
+    got = sync.consume_due(lambda name, n: q[:n] if name == "w" else [])
+    assert got.agreed == {"w": 2, "l": 0}
+    assert got.pops == {"w": 1, "l": 0}
+
+
+def test_digest_divergence_and_failure_are_sticky():
+    hub = Hub()
+    sync = PipelinedAckSync(hub)
+    sync.issue({"w": []}, digest=5)
+    hub.peer = [0, 4, -5]
+    with pytest.raises(HiCacheAckSyncError, match="ranks diverged"):
+        sync.consume_due(lambda n, k: [])
+    with pytest.raises(HiCacheAckSyncError, match="will not retry"):
+        sync.issue({"w": []}, digest=5)
+
+
+def test_drain_applies_each_before_reconciling_the_next():
+    hub = Hub()
+    sync = PipelinedAckSync(hub, depth=2)
+    q = [Ref() for _ in range(3)]
+    sync.issue({"w": q[:2]}, 0)
+    sync.issue({"w": q[:3]}, 0)  # overlaps the first: q[0], q[1] in both
+    popped = []
+
+    def apply(c):
+        n = c.pops["w"]
+        popped.append(n)
+        del q[:n]
+
+    assert sync.drain(lambda name, n: q[:n], apply) == 2
+    assert popped == [2, 1] and q == []
+
+
+def test_depth_must_be_positive():
+    with pytest.raises(ValueError):
+        PipelinedAckSync(Hub(), depth=0)
+
+
+@pytest.mark.parametrize("raw", [None, "", "1", "true", "TRUE", "Yes", "y"])
+def test_enable_true_spellings(raw):
+    assert env.parse_bool(env.ENABLE_VAR, raw, True) is True
+
+
+@pytest.mark.parametrize("raw", ["0", "false", "False", "NO", "n"])
+def test_enable_false_spellings(raw):
+    assert env.parse_bool(env.ENABLE_VAR, raw, True) is False
+
+
+@pytest.mark.parametrize("raw", ["2", "on", "enable", "tru"])
+def test_enable_bad_value_names_variable_and_accepted_values(raw):
+    with pytest.raises(ValueError) as err:
+        env.read_settings({env.ENABLE_VAR: raw})
+    msg = str(err.value)
+    assert env.ENABLE_VAR in msg and "true, 1, yes, y" in msg and "false, 0, no, n" in msg
+
+
+@pytest.mark.parametrize("raw, depth", [(None, 1), ("1", 1), ("3", 3), (" 8 ", 8)])
+def test_depth_good_values(raw, depth):
+    environ = {} if raw is None else {env.DEPTH_VAR: raw}
+    assert env.read_settings(environ).depth == depth
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "9", "two", "1.5"])
+def test_depth_bad_values(raw):
+    with pytest.raises(ValueError, match=f"{env.DEPTH_VAR}.*from 1 to 8"):
+        env.read_settings({env.DEPTH_VAR: raw})
+
+
+def test_plugins_whitelist():
+    assert env.plugin_whitelisted({})
+    assert env.plugin_whitelisted({"SGLANG_PLUGINS": "a, hicache_async_ack"})
+    assert not env.plugin_whitelisted({"SGLANG_PLUGINS": "other"})

@@ -1,0 +1,60 @@
+"""The real class over real gloo on 127.0.0.1, 2 and 4 ranks, acks finishing at
+rank-specific times: symmetric pops, no unfinished ack popped, nothing left -
+for both the pipelined and the blocking path."""
+
+from __future__ import annotations
+
+import pytest
+
+from ranks import assert_symmetric_and_complete, run_ranks
+
+OFF = {"SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC": "0"}
+
+
+def _specs(steps: int) -> list[dict]:
+    base = dict(steps=steps, max_delay=3, skew=True)
+    return [
+        dict(base, name="pipelined", seed=11),
+        dict(base, name="blocking", seed=11, env=OFF),
+        dict(base, name="pipelined_storage", seed=12, storage=True, extra_pools=["mamba"]),
+        dict(base, name="blocking_storage", seed=12, storage=True, extra_pools=["mamba"], env=OFF),
+        dict(base, name="pipelined_no_skew", seed=13, skew=False),
+        dict(base, name="blocking_no_skew", seed=13, skew=False, env=OFF),
+    ]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
+def ranks(request):
+    world = request.param
+    return world, run_ranks(world, _specs(steps=300 if world == 2 else 200))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "pipelined",
+        "blocking",
+        "pipelined_storage",
+        "blocking_storage",
+        "pipelined_no_skew",
+        "blocking_no_skew",
+    ],
+)
+def test_symmetric_pops_nothing_unfinished_nothing_left(ranks, name):
+    world, results = ranks
+    r0 = assert_symmetric_and_complete(results, name)
+    assert r0["pipelined"] is name.startswith("pipelined")
+    popped = sum(len(pre) + len(post) for pre, post in r0["pops"])
+    assert popped >= r0["counts"]["enqueued"]  # acks, plus storage entries
+
+
+@pytest.mark.parametrize("suffix", ["", "_storage", "_no_skew"])
+def test_pipelined_pops_what_blocking_popped_one_step_earlier(ranks, suffix):
+    """Same seed, same traffic: step s+1 of the pipelined run pops exactly what
+    step s of the blocking run popped."""
+    _, results = ranks
+    pip = results[0]["pipelined" + suffix]["pops"]
+    blk = results[0]["blocking" + suffix]["pops"]
+    assert any(post for _, post in blk), "nothing popped: the test would prove nothing"
+    assert [post for _, post in pip[1:]] == [post for _, post in blk[:-1]]
+    assert pip[0][1] == [] and blk[-1][1] == []
