@@ -20,7 +20,7 @@ def run_ranks(
     *,
     timeout: float = 900.0,
     group_timeout: float = 30.0,
-    allow_exit: frozenset = frozenset(),
+    allow_exit: frozenset | set = frozenset(),
 ) -> list[dict]:
     """Run ``specs`` on ``world`` ranks; returns each rank's results by scenario.
 
