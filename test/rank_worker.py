@@ -42,9 +42,24 @@ def main() -> None:
         world_size=args.world,
         timeout=timedelta(seconds=args.timeout),
     )
-    group = dist.new_group(
-        list(range(args.world)), backend="gloo", timeout=timedelta(seconds=args.timeout)
-    )
+    timeout = timedelta(seconds=args.timeout)
+    groups = {"tp": dist.new_group(list(range(args.world)), backend="gloo", timeout=timeout)}
+    if args.world == 4:
+        # Attention CP=2 x TP=2 the way SGLang's initialize_model_parallel lays them
+        # out: attn TP groups are contiguous, attn CP groups strided by attn_tp_size.
+        # Every rank creates every group, in the same order.
+        # "odd_cp" is a layout no single group matches (CP groups equal to the
+        # TP groups): the plugin must keep it blocking.
+        layouts = (
+            ("attn_tp", [[0, 1], [2, 3]]),
+            ("attn_cp", [[0, 2], [1, 3]]),
+            ("odd_cp", [[0, 1], [2, 3]]),
+        )
+        for key, layout in layouts:
+            for ranks in layout:
+                g = dist.new_group(ranks, backend="gloo", timeout=timeout)
+                if args.rank in ranks:
+                    groups[key] = g
     with open(args.spec) as f:
         specs = json.load(f)
     results = {}
@@ -55,7 +70,7 @@ def main() -> None:
             continue
         t0 = time.monotonic()
         try:
-            results[spec["name"]] = run_scenario(spec, args.rank, args.world, group)
+            results[spec["name"]] = run_scenario(spec, args.rank, args.world, groups)
         except Exception as exc:  # noqa: BLE001 - reported to the test
             results[spec["name"]] = {
                 "error": f"{type(exc).__name__}: {exc}",

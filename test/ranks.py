@@ -87,3 +87,11 @@ def assert_symmetric_and_complete(results: list[dict], name: str) -> dict:
             assert a == b, f"step {step}: rank 0 popped {a}, rank {rank} popped {b}"
         assert len(ref) == len(r["pops"])
     return per_rank[0]
+
+
+def assert_lagged_equal(pipelined: list, blocking: list, k: int) -> None:
+    """Step s+k of the pipelined run pops exactly what step s of the blocking run
+    popped (same seed, same traffic), and the first k steps pop nothing."""
+    assert any(post for _, post in blocking), "nothing popped: the test would prove nothing"
+    assert [post for _, post in pipelined[k:]] == [post for _, post in blocking[:-k]]
+    assert all(post == [] for _, post in pipelined[:k] + blocking[-k:])

@@ -107,7 +107,7 @@ def simulate(
         env={"SGLANG_HICACHE_ASYNC_ACK_DEPTH": str(depth)},
     )
     hub = Hub(world)
-    drivers = [RankDriver(spec, r, world, SimGroup(r, world, hub)) for r in range(world)]
+    drivers = [RankDriver(spec, r, world, {"tp": SimGroup(r, world, hub)}) for r in range(world)]
     for d in drivers:
         assert d.state.sync is not None, d.state.static
         d.sim.cache.__dict__["_all_reduce"] = hub.blocking(d.rank)

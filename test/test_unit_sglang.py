@@ -191,7 +191,7 @@ def test_depth_two_consumes_the_reduce_issued_two_steps_ago(make_cache, fake_col
             dict(attn_cp_group=FakeGroup(2, "cp"), attn_tp_group=FakeGroup(2, "atp")),
             {},
             False,
-            "two collectives",
+            "no existing group spans",
         ),
         (dict(tp=1, tp_group=None, tp_world_size=1), {}, False, "world size 1"),
         (dict(tp=2, pp_size=2), {}, False, "pp_size=2"),
@@ -200,7 +200,9 @@ def test_depth_two_consumes_the_reduce_issued_two_steps_ago(make_cache, fake_col
         (dict(tp=2), {"cache_controller": None}, False, "controller not attached"),
     ],
 )
-def test_eligibility_rules(make_cache, plugin, kwargs, changes, pipelined, reason):
+def test_eligibility_rules(make_cache, plugin, monkeypatch, kwargs, changes, pipelined, reason):
+    # CP x TP: whether a group spans both is decided over real gloo (multirank tests)
+    monkeypatch.setattr(plugin, "spanning_group", lambda cache, cp, tp: None)
     sim = make_cache(**kwargs)
     sim.cache.__dict__.update(changes)
     decision = plugin.state_of(sim.cache).decide(sim.cache)
@@ -233,3 +235,18 @@ def test_announces_once_per_rank(make_cache, caplog):
     lines = [r.getMessage() for r in caplog.records if "HiCache ack sync" in r.getMessage()]
     assert len(lines) == 1
     assert "pipelined over the one TP group (world size 4, depth 1" in lines[0]
+
+
+def test_cp_x_tp_pipelines_over_the_spanning_group(make_cache, plugin, monkeypatch):
+    spans = []
+
+    def spanning(cache, cp, tp):
+        spans.append((cp.name, tp.name))
+        return cache.tp_group
+
+    monkeypatch.setattr(plugin, "spanning_group", spanning)
+    sim = make_cache(tp=4, attn_cp_group=FakeGroup(2, "cp"), attn_tp_group=FakeGroup(2, "atp"))
+    decision = plugin.state_of(sim.cache).decide(sim.cache)
+    assert spans == [("cp", "atp")]
+    assert decision.pipelined and decision.group is sim.cache.tp_group
+    assert decision.reason == "TP group, equal to attn CP(2) x attn TP(2)"

@@ -30,7 +30,7 @@ ENV_KEYS = ("SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC", "SGLANG_HICACHE_ASYNC_ACK_DE
 
 
 class RankDriver:
-    def __init__(self, spec: dict, rank: int, world: int, group):
+    def __init__(self, spec: dict, rank: int, world: int, groups: dict):
         from hicache_async_ack import sglang_plugin
 
         for k in ENV_KEYS:
@@ -41,8 +41,16 @@ class RankDriver:
         self.world = world
         self.storage = spec.get("storage", False)
         self.extra = tuple(spec.get("extra_pools", ()))
+        topology = {}
+        if spec.get("cp_x_tp"):  # attention CP x attention TP inside the TP group
+            cp = groups["odd_cp" if spec["cp_x_tp"] == "odd" else "attn_cp"]
+            topology = dict(attn_cp_group=cp, attn_tp_group=groups["attn_tp"])
         self.sim = build_cache(
-            tp_group=group, tp_world_size=world, storage=self.storage, extra_pools=self.extra
+            tp_group=groups["tp"],
+            tp_world_size=world,
+            storage=self.storage,
+            extra_pools=self.extra,
+            **topology,
         )
         sglang_plugin.after_init_hicache(None, self.sim.cache)  # as init_hicache would
         self.state = sglang_plugin.state_of(self.sim.cache)
@@ -144,6 +152,7 @@ class RankDriver:
             "left": self.left(),
             "pending": self.state.sync.pending if self.state.sync else 0,
             "pipelined": self.state.decide(self.sim.cache).pipelined,
+            "reason": self.state.decide(self.sim.cache).reason,
             "counts": {"enqueued": self.enqueued, "events": self.event_counts},
         }
 
@@ -155,9 +164,9 @@ LOCAL_DRAIN_EVENTS = ("detach",)
 ACK_KINDS = ("write", "load")
 
 
-def run_scenario(spec: dict, rank: int, world: int, group) -> dict:
-    """All steps of one scenario on one rank of a real process group."""
-    d = RankDriver(spec, rank, world, group)
+def run_scenario(spec: dict, rank: int, world: int, groups: dict) -> dict:
+    """All steps of one scenario on one rank of real process groups."""
+    d = RankDriver(spec, rank, world, groups)
     per_step = []
     for step in range(d.total_steps):
         d.traffic(step)

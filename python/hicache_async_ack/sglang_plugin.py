@@ -131,10 +131,51 @@ def static_decision(cache) -> Decision:
     if not groups:
         return Decision(False, "world size 1: upstream runs no collective, nothing to hide")
     if len(groups) > 1:
-        names = " + ".join(f"{label}({ws})" for label, _, ws in groups)
-        return Decision(False, f"{names}: two collectives per step")
+        names = " x ".join(f"{label}({ws})" for label, _, ws in groups)
+        group = spanning_group(cache, groups[0][1], groups[1][1])
+        if group is None:
+            return Decision(
+                False,
+                f"{names}: two collectives per step and no existing group spans "
+                "exactly their ranks (DP attention?)",
+            )
+        return Decision(True, f"TP group, equal to {names}", group, cache.tp_world_size)
     label, group, ws = groups[0]
     return Decision(True, f"one {label} group", group, ws)
+
+
+def spanning_group(cache, cp_group, attn_tp_group):
+    """The existing group over which one MIN equals upstream's MIN over the CP
+    group followed by the MIN over the attn TP group, or None.
+
+    After the two reduces rank r holds the MIN over the union of CP(t) for t in
+    TP(r). One reduce over group G gives the same iff that union is G for every
+    r in G. The candidate is the cache's TP group (it contains both); the check
+    needs every member's CP and TP ranks, so it gathers them once over that group
+    at HiCache init, where every member takes part, and every member reaches the
+    same verdict from the same data. No group is created: with DP attention the
+    union is smaller than the TP group and the cache stays blocking.
+    """
+    import torch.distributed as dist
+
+    tp = cache.tp_group
+    if tp is None or cache.tp_world_size <= 1:
+        return None
+    mine = (
+        dist.get_rank(),
+        sorted(dist.get_process_group_ranks(cp_group)),
+        sorted(dist.get_process_group_ranks(attn_tp_group)),
+    )
+    gathered: list = [None] * cache.tp_world_size
+    dist.all_gather_object(gathered, mine, group=tp)
+    members = set(dist.get_process_group_ranks(tp))
+    cp_of = {rank: set(cp) for rank, cp, _ in gathered}
+    for _, _, tp_ranks in gathered:
+        if not set(tp_ranks) <= cp_of.keys():
+            return None
+        if set().union(*(cp_of[t] for t in tp_ranks)) != members:
+            return None
+    return tp
 
 
 def dynamic_blocker(cache) -> Optional[str]:
