@@ -302,7 +302,7 @@ class CacheState:
         )
         self.in_pipelined_step = False
         self.due: Optional[Consumed] = None
-        self._announced: Optional[str] = None
+        self._announced: Optional[tuple] = None
 
     def decide(self, cache) -> Decision:
         if not self.settings.enabled:
@@ -315,7 +315,12 @@ class CacheState:
         return self.static
 
     def announce(self, decision: Decision) -> None:
-        """One line per rank (and one more on each change of path)."""
+        """One line per rank (and one more on each change of path). Called every
+        step, so it compares before it formats."""
+        key = (decision.pipelined, decision.reason)
+        if key == self._announced:
+            return
+        self._announced = key
         line = (
             f"HiCache ack sync: pipelined over the {decision.reason} "
             f"(world size {decision.world_size}, depth {self.settings.depth}; "
@@ -324,9 +329,7 @@ class CacheState:
             else f"HiCache ack sync: blocking (upstream path) because {decision.reason} "
             f"(hicache-async-ack {__version__})"
         )
-        if line != self._announced:
-            self._announced = line
-            logger.info(line)
+        logger.info(line)
 
 
 def state_of(cache) -> Optional[CacheState]:
