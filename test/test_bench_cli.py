@@ -67,15 +67,49 @@ def test_bench_end_to_end(tmp_path):
     injected latency."""
     out, png = tmp_path / "r.jsonl", tmp_path / "r.png"
     main = _start(
-        ["bench", "--tp", "2", "--steps", "30", "--warmup", "5", "--step-ms", "2",
-         "--out", str(out), "--png", str(png), "--quiet"],
+        [
+            "bench",
+            "--tp",
+            "2",
+            "--steps",
+            "30",
+            "--warmup",
+            "5",
+            "--step-ms",
+            "2",
+            "--out",
+            str(out),
+            "--png",
+            str(png),
+            "--quiet",
+        ],
         tmp_path,
     )
     var_out = tmp_path / "v.jsonl"
     variant = _start(
-        ["bench", "--tp", "2", "--steps", "20", "--warmup", "2", "--step-ms", "2",
-         "--arms", "pipelined,blocking", "--storage", "--reduce-group", "dedicated",
-         "--depth", "2", "--inject-latency-ms", "1", "--out", str(var_out), "--quiet"],
+        [
+            "bench",
+            "--tp",
+            "2",
+            "--steps",
+            "20",
+            "--warmup",
+            "2",
+            "--step-ms",
+            "2",
+            "--arms",
+            "pipelined,blocking",
+            "--storage",
+            "--reduce-group",
+            "dedicated",
+            "--depth",
+            "2",
+            "--inject-latency-ms",
+            "1",
+            "--out",
+            str(var_out),
+            "--quiet",
+        ],
         tmp_path,
     )
     rc, stdout, stderr = _finish(main)
@@ -145,8 +179,20 @@ def test_bench_refuses_bad_options(tmp_path, args, accepted):
 def test_bench_fails_clearly_when_a_rank_dies(tmp_path):
     rc, out, err = _finish(
         _start(
-            ["bench", "--arms", "l1", "--tp", "2", "--steps", "20", "--step-ms", "1",
-             "--crash-rank-at", "1:5", "--quiet"],
+            [
+                "bench",
+                "--arms",
+                "l1",
+                "--tp",
+                "2",
+                "--steps",
+                "20",
+                "--step-ms",
+                "1",
+                "--crash-rank-at",
+                "1:5",
+                "--quiet",
+            ],
             tmp_path,
         ),
         timeout=90,

@@ -54,8 +54,8 @@ def test_cp_tp_pops_what_two_blocking_reduces_popped(results, pipelined, blockin
 def test_layout_no_group_spans_stays_blocking(results):
     """Upstream agrees within each {CP, TP} block here, not across the TP group,
     so no single existing group is equivalent: blocking, and it says why."""
-    for rank, r in enumerate(results):
-        r = r["odd_layout"]
+    for per_rank in results:
+        r = per_rank["odd_layout"]
         assert "error" not in r, r.get("traceback")
         assert not r["pipelined"] and r["pending"] == 0
         assert "no existing group spans exactly their ranks" in r["reason"]

@@ -72,3 +72,14 @@ def test_killed_rank_surfaces_on_every_survivor():
         r = results[rank]["kill"]
         assert "HiCache ack sync" in r.get("error", ""), (rank, r.get("error"))
         assert r["seconds"] < 60
+
+
+def test_stalled_rank_times_out_on_every_survivor():
+    """A rank stops stepping without dying: the pending reduce's wait() times out
+    with the group timeout and surfaces as the HiCache ack sync error."""
+    spec = dict(name="stall", seed=9, steps=200, stall_at=30, stall_s=15, max_delay=2)
+    results = run_ranks(WORLD, [spec], timeout=180, group_timeout=5, allow_exit={WORLD - 1})
+    for rank in range(WORLD - 1):
+        r = results[rank]["stall"]
+        assert "HiCache ack sync" in r.get("error", ""), (rank, r.get("error"))
+        assert r["seconds"] < 14

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 from hicache_async_ack.simulated import STORAGE_QUEUE_NAMES, build_cache
 
@@ -85,6 +86,9 @@ class RankDriver:
             sim.tree.write_back_duplicate_reclaim_digest += 1
         if self.spec.get("die_at") == step and self.rank == self.world - 1:
             os._exit(17)  # a rank dies mid-run, no goodbye
+        if self.spec.get("stall_at") == step and self.rank == self.world - 1:
+            time.sleep(self.spec["stall_s"])  # stops stepping: peers' waits time out
+            os._exit(18)
         if step < self.spec["steps"]:
             skew = self.rank if self.spec.get("skew") else 0
             for _ in range(sched.randint(0, 3)):
