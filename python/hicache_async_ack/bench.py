@@ -51,7 +51,7 @@ from . import __version__
 from .env import DEPTH_DEFAULT, DEPTH_MAX, DEPTH_VAR, ENABLE_VAR, PLUGINS_VAR
 
 ARMS = ("l1", "blocking", "pipelined")
-ARM_TITLES = {"l1": "L1 (no HiCache)", "blocking": "blocking", "pipelined": "pipelined"}
+ARM_COLORS = {"l1": "#888888", "blocking": "#d62728", "pipelined": "#2ca02c"}
 REDUCE_GROUPS = ("shared", "dedicated")
 MIN_STEPS = 20
 MAX_TP = 64
@@ -189,7 +189,10 @@ def _describe_failures(procs, workdir: Path, label: str) -> str:
     lines = []
     for rank, p in enumerate(procs):
         code = p.exitcode
-        if code is None or code == 0:
+        if code is None:
+            lines.append(f"rank {rank} was still running (killed)")
+            continue
+        if code == 0:
             continue
         if code < 0:
             try:
@@ -320,6 +323,29 @@ class _SimFailure(RuntimeError):
         self.violations = violations
 
 
+def attention_cp_groups(rank: int, world: int, cp: int) -> dict:
+    """Attention CP x TP groups laid out as SGLang's initialize_model_parallel does
+    (attn TP contiguous, attn CP strided by attn_tp_size). Every rank creates every
+    group, in the same order, as collective group creation requires."""
+    if cp <= 1:
+        return {}
+    import torch.distributed as dist
+
+    attn_tp = world // cp
+    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    out = {}
+    layouts = (
+        ("attn_tp_group", [list(range(i * attn_tp, (i + 1) * attn_tp)) for i in range(cp)]),
+        ("attn_cp_group", [list(range(i, world, attn_tp)) for i in range(attn_tp)]),
+    )
+    for key, groups in layouts:
+        for ranks in groups:
+            g = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            if rank in ranks:
+                out[key] = g
+    return out
+
+
 def _bench_rank(ctx: RankContext, cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
@@ -362,18 +388,21 @@ def _bench_rank(ctx: RankContext, cfg: dict) -> dict:
                 dedicated = dist.new_group(
                     backend="gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)
                 )
-                sglang_plugin.collective_factory = (
-                    lambda _group, g=dedicated: sglang_plugin.torch_min_all_reduce(g)
+                sglang_plugin.collective_factory = lambda _group, g=dedicated: (
+                    sglang_plugin.torch_min_all_reduce(g)
                 )
             if inject_s > 0:
                 sglang_plugin.collective_factory = _delayed_factory(
                     sglang_plugin.collective_factory, inject_s
                 )
-        sim = build_cache(tp_group=group, tp_world_size=world, storage=cfg["storage"])
+        sim = build_cache(
+            tp_group=group,
+            tp_world_size=world,
+            storage=cfg["storage"],
+            **attention_cp_groups(rank, world, cfg["cp"]),
+        )
         if arm == "blocking" and inject_s > 0:
-            sim.cache.__dict__["_all_reduce"] = _delayed_all_reduce(
-                sim.cache._all_reduce, inject_s
-            )
+            sim.cache.__dict__["_all_reduce"] = _delayed_all_reduce(sim.cache._all_reduce, inject_s)
 
     shared = random.Random(cfg["seed"])  # same draws on every rank: same enqueue order
     own = random.Random(cfg["seed"] * 1_000_003 + 7919 * (rank + 1))  # copy times
@@ -384,6 +413,7 @@ def _bench_rank(ctx: RankContext, cfg: dict) -> dict:
     check_ms: list[float] = []
     step_ms: list[float] = []
     bcast_ms: list[float] = []
+    bcast_at: list[tuple[float, float]] = []
     pops_per_step: list[int] = []
     outstanding: dict[int, Callable[[], bool]] = {}
     finish: dict[int, int] = {}  # ack uid -> step at whose start it was seen done
@@ -402,7 +432,9 @@ def _bench_rank(ctx: RankContext, cfg: dict) -> dict:
             bcast[0] = step
         dist.broadcast(bcast, src=0, group=group)
         if step >= warmup:
-            bcast_ms.append((time.perf_counter() - t0) * 1000.0)
+            t_b = time.perf_counter()
+            bcast_ms.append((t_b - t0) * 1000.0)
+            bcast_at.append((t0, t_b))  # CLOCK_MONOTONIC: comparable across ranks
         if sim is not None:
             c0 = time.perf_counter()
             try:
@@ -427,10 +459,15 @@ def _bench_rank(ctx: RankContext, cfg: dict) -> dict:
             if step == 0 and arm == "pipelined":
                 state = sglang_plugin.state_of(sim.cache)
                 decision = state.decide(sim.cache) if state is not None else None
-                if decision is None or not decision.pipelined:
+                if decision is not None and not decision.pipelined and world == 1:
+                    path = f"plugin stands down: {decision.reason}"
+                elif decision is None or not decision.pipelined:
                     why = decision.reason if decision is not None else "no plugin state"
                     raise BenchError(f"pipelined arm runs the blocking path: {why}")
-                path = f"pipelined over the {decision.reason} (depth {state.settings.depth})"
+                else:
+                    path = f"pipelined over the {decision.reason} (depth {state.settings.depth})"
+                    if dedicated is not None:
+                        path += "; reduce issued on a dedicated gloo group"
             elif step == 0 and arm == "blocking":
                 path = f"stock SGLang ({PLUGINS_VAR}={BLOCKING_PLUGINS})"
         # Forward: launched now, the host is idle until it completes. Backups of
@@ -472,6 +509,7 @@ def _bench_rank(ctx: RankContext, cfg: dict) -> dict:
         "check_ms": check_ms,
         "step_ms": step_ms,
         "bcast_ms": bcast_ms,
+        "bcast_at": bcast_at,
         "pops_per_step": pops_per_step,
         "window_s": window_s,
         "finish": finish,
@@ -497,6 +535,13 @@ def summarize_arm(arm: str, results: list[dict], warmup: int, steps: int) -> dic
     r0 = results[0]
     check = [x for r in results for x in r["check_ms"]]  # pooled over ranks
     bcast = [x for r in results for x in r["bcast_ms"]]
+    # Split the broadcast into waiting for the last rank to arrive (skew: e.g.
+    # a slower check_hicache_events on some rank) and what it took after that
+    # (the collective itself; a reduce left in flight on the group shows here).
+    after_last = []
+    for per_step in zip(*(r["bcast_at"] for r in results)):
+        last = max(t_in for t_in, _ in per_step)
+        after_last += [(t_out - last) * 1000.0 for _, t_out in per_step]
     violations = [v for r in results for v in r["violations"]]
     # Lag: for every ack popped in the measured window, pop step minus the step
     # by whose start it had finished on every rank. Pops must agree across ranks.
@@ -535,7 +580,12 @@ def summarize_arm(arm: str, results: list[dict], warmup: int, steps: int) -> dic
             if has_check
             else None
         ),
-        "bcast_ms": {"median": quantile(bcast, 0.5), "p90": quantile(bcast, 0.9)},
+        "bcast_ms": {
+            "median": quantile(bcast, 0.5),
+            "p90": quantile(bcast, 0.9),
+            "after_last_rank_median": quantile(after_last, 0.5),
+            "after_last_rank_p90": quantile(after_last, 0.9),
+        },
         "step_ms_median": quantile(r0["step_ms"], 0.5),
         "step_ms_p99": quantile(r0["step_ms"], 0.99),
         "steps_per_s": steps_per_s,
@@ -565,6 +615,7 @@ def format_table(summary: dict[str, dict]) -> str:
         "p90",
         "p99",
         "bcast p50",
+        "after last",
         "step p50 ms",
         "steps/s",
         "vs L1",
@@ -583,6 +634,7 @@ def format_table(summary: dict[str, dict]) -> str:
                 _fmt(c.get("p90")),
                 _fmt(c.get("p99")),
                 _fmt(s["bcast_ms"]["median"]),
+                _fmt(s["bcast_ms"]["after_last_rank_median"]),
                 _fmt(s["step_ms_median"], ".2f"),
                 _fmt(s["steps_per_s"], ".2f"),
                 _fmt(None if rel is None else rel * 100, ".2f") + ("%" if rel is not None else ""),
@@ -607,9 +659,7 @@ def draw_png(path: Path, summary: dict[str, dict], title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(
-        1, 2, figsize=(11, 4.6), gridspec_kw={"width_ratios": [3, 2]}
-    )
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.6), gridspec_kw={"width_ratios": [3, 2]})
     with_check = [a for a, s in summary.items() if s["_check_samples"]]
     if with_check:
         data = [summary[a]["_check_samples"] for a in with_check]
@@ -618,8 +668,14 @@ def draw_png(path: Path, summary: dict[str, dict], title: str) -> None:
         ax1.set_yscale("log")
         for i, a in enumerate(with_check, start=1):
             med = summary[a]["check_ms"]["median"]
-            ax1.annotate(f"p50 {med:.3f}", (i, med), xytext=(8, 0),
-                         textcoords="offset points", fontsize=8, va="center")
+            ax1.annotate(
+                f"p50 {med:.3f}",
+                (i, med),
+                xytext=(30, 0),
+                textcoords="offset points",
+                fontsize=8,
+                va="center",
+            )
     ax1.set_ylabel("check_hicache_events per step (ms, log)")
     ax1.set_title("per-step cost (all ranks; whiskers p1-p99)", fontsize=10)
     ax1.grid(axis="y", alpha=0.3, which="both")
@@ -628,17 +684,24 @@ def draw_png(path: Path, summary: dict[str, dict], title: str) -> None:
     rel = [summary[a]["throughput_vs_l1"] for a in arms]
     if all(r is not None for r in rel):
         vals = [r * 100 for r in rel]
-        bars = ax2.bar(arms, vals, color=["#888888", "#d62728", "#2ca02c"][: len(arms)])
+        bars = ax2.bar(arms, vals, color=[ARM_COLORS[a] for a in arms])
         lo = min(vals)
-        ax2.set_ylim(max(0.0, lo - max(2.0, (100 - lo) * 0.5)), max(101.0, max(vals) + 0.5))
-        ax2.axhline(99.0, ls="--", lw=1, color="k", alpha=0.6)
+        ax2.set_ylim(max(0.0, lo - max(2.0, (100 - lo) * 0.3)), max(103.0, max(vals) + 3.0))
+        ax2.axhline(99.0, ls="--", lw=1, color="k", alpha=0.6, label="99% of L1")
+        ax2.legend(loc="lower left", fontsize=8)
         ax2.set_ylabel("throughput vs L1 (%)")
         for b, v in zip(bars, vals):
-            ax2.annotate(f"{v:.1f}%", (b.get_x() + b.get_width() / 2, v), xytext=(0, 3),
-                         textcoords="offset points", ha="center", fontsize=9)
+            ax2.annotate(
+                f"{v:.1f}%",
+                (b.get_x() + b.get_width() / 2, v),
+                xytext=(0, 3),
+                textcoords="offset points",
+                ha="center",
+                fontsize=9,
+            )
     else:
         vals = [summary[a]["steps_per_s"] for a in arms]
-        ax2.bar(arms, vals)
+        ax2.bar(arms, vals, color=[ARM_COLORS[a] for a in arms])
         ax2.set_ylabel("steps/s")
     ax2.set_title("throughput", fontsize=10)
     fig.suptitle(title, fontsize=10)
@@ -707,10 +770,10 @@ def preload_sglang() -> None:
     """Import what the ranks need once, before forking them."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        import torch.distributed  # noqa: F401
         import sglang.srt.managers.cache_controller  # noqa: F401
         import sglang.srt.mem_cache.unified_radix_cache  # noqa: F401
         import sglang.srt.plugins  # noqa: F401
+        import torch.distributed  # noqa: F401
 
         from . import sglang_plugin, simulated  # noqa: F401
 
@@ -750,6 +813,9 @@ def run_arm(arm: str, cfg: dict, progress: _Progress) -> list[dict]:
 
 
 def run(args) -> int:
+    if args.tp % args.cp:
+        divisors = [d for d in range(1, args.tp + 1) if args.tp % d == 0]
+        raise BenchError(f"--cp {args.cp} must divide --tp {args.tp}; accepted: {divisors}")
     cfg = {
         "tp": args.tp,
         "steps": args.steps,
@@ -760,11 +826,16 @@ def run(args) -> int:
         "storage": args.storage,
         "seed": args.seed,
         "depth": args.depth,
+        "cp": args.cp,
         "reduce_group": args.reduce_group,
         "timeout_s": args.timeout,
         "crash": args.crash_rank_at,
     }
     progress = _Progress(not args.quiet)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torch.distributed  # noqa: F401  (once here, not once per forked rank)
+    load_at_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     if any(a != "l1" for a in cfg["arms"]):
         progress.note("importing sglang once for all ranks (~15 s)...")
         t = time.monotonic()
@@ -783,9 +854,15 @@ def run(args) -> int:
         f"TP={cfg['tp']}, {cfg['steps']} steps (+{cfg['warmup']} warmup), "
         f"forward {cfg['step_ms']:g} ms, injected latency {cfg['inject_latency_ms']:g} ms, "
         f"depth {cfg['depth']}, reduce group {cfg['reduce_group']}"
+        + (f", attention CP={cfg['cp']} x TP={cfg['tp'] // cfg['cp']}" if cfg["cp"] > 1 else "")
         + (", storage" if cfg["storage"] else "")
     )
     print(f"hicache-async-ack bench {__version__}: {title}")
+    if load_at_start is not None:
+        print(
+            f"host: {os.cpu_count()} CPUs, load average {load_at_start[0]:.2f} at start "
+            f"(other work on the box skews every figure)"
+        )
     print(format_table(summary))
     for arm, s in summary.items():
         print(f"  {arm}: {s['path']}")
@@ -803,8 +880,11 @@ def run(args) -> int:
         "versions": versions(),
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        "arms": {a: {k: v for k, v in s.items() if not k.startswith("_")} for a, s in summary.items()},
+        "loadavg_start": load_at_start,
+        "loadavg_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "arms": {
+            a: {k: v for k, v in s.items() if not k.startswith("_")} for a, s in summary.items()
+        },
     }
     if args.out:
         out = Path(args.out)
@@ -812,8 +892,10 @@ def run(args) -> int:
         with out.open("a") as f:
             f.write(json.dumps(record) + "\n")
         progress.note(f"appended results to {out}")
-    png = Path(args.png) if args.png else (
-        Path(args.out).with_suffix(".png") if args.out else Path("bench.png")
+    png = (
+        Path(args.png)
+        if args.png
+        else (Path(args.out).with_suffix(".png") if args.out else Path("bench.png"))
     )
     try:
         png.parent.mkdir(parents=True, exist_ok=True)
@@ -897,8 +979,8 @@ arms (run back to back, each on fresh ranks):
 --inject-latency-ms is a MODEL of a host whose gloo all_reduce is slow, not a
 measurement: blocking sleeps X ms before every upstream _all_reduce; pipelined's
 handle.wait() returns no earlier than X ms after the reduce was issued (the
-reduce itself still runs over real gloo). Loopback gloo on an idle box is much
-faster than the 3 ms seen on some multi-socket GPU hosts.
+reduce itself still runs over real gloo). `hicache-async-ack doctor` measures
+this host's real gloo latency; the PR saw 0.5 ms on GB300 and 3.2 ms on B200.
 
 Per step each rank: broadcasts a small tensor from rank 0 on the TP group (the
 scheduler's recv_requests), runs check_hicache_events (timed), then "runs the
@@ -923,36 +1005,80 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=_int_in("--tp", 1, MAX_TP), default=DEFAULT_TP,
-                   help=f"ranks (processes) in the TP group (default {DEFAULT_TP})")
-    p.add_argument("--steps", type=_int_in("--steps", MIN_STEPS, why=" (fewer give no "
-                   "meaningful p99)"), default=DEFAULT_STEPS,
-                   help=f"measured steps per arm (default {DEFAULT_STEPS}, min {MIN_STEPS})")
-    p.add_argument("--warmup", type=_int_in("--warmup", 0), default=DEFAULT_WARMUP,
-                   help=f"unmeasured steps first (default {DEFAULT_WARMUP})")
-    p.add_argument("--step-ms", type=_nonneg_float("--step-ms"), default=DEFAULT_STEP_MS,
-                   help=f"simulated forward per step, host idle (default {DEFAULT_STEP_MS:g})")
-    p.add_argument("--arms", type=_arms, default=ARMS,
-                   help=f"comma-separated, from {', '.join(ARMS)} (default: all)")
-    p.add_argument("--inject-latency-ms", type=_nonneg_float("--inject-latency-ms"),
-                   default=0.0, help="model a slow host: extra latency of the ack "
-                   "reduce (see below; default 0)")
-    p.add_argument("--storage", action="store_true",
-                   help="also feed the storage control queues (L3 backend on)")
+    p.add_argument(
+        "--tp",
+        type=_int_in("--tp", 1, MAX_TP),
+        default=DEFAULT_TP,
+        help=f"ranks (processes) in the TP group (default {DEFAULT_TP})",
+    )
+    p.add_argument(
+        "--steps",
+        type=_int_in("--steps", MIN_STEPS, why=" (fewer give no meaningful p99)"),
+        default=DEFAULT_STEPS,
+        help=f"measured steps per arm (default {DEFAULT_STEPS}, min {MIN_STEPS})",
+    )
+    p.add_argument(
+        "--warmup",
+        type=_int_in("--warmup", 0),
+        default=DEFAULT_WARMUP,
+        help=f"unmeasured steps first (default {DEFAULT_WARMUP})",
+    )
+    p.add_argument(
+        "--step-ms",
+        type=_nonneg_float("--step-ms"),
+        default=DEFAULT_STEP_MS,
+        help=f"simulated forward per step, host idle (default {DEFAULT_STEP_MS:g})",
+    )
+    p.add_argument(
+        "--arms",
+        type=_arms,
+        default=ARMS,
+        help=f"comma-separated, from {', '.join(ARMS)} (default: all)",
+    )
+    p.add_argument(
+        "--inject-latency-ms",
+        type=_nonneg_float("--inject-latency-ms"),
+        default=0.0,
+        help="model a slow host: extra latency of the ack reduce (see below; default 0)",
+    )
+    p.add_argument(
+        "--storage",
+        action="store_true",
+        help="also feed the storage control queues (L3 backend on)",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    p.add_argument("--depth", type=_int_in("--depth", 1, DEPTH_MAX), default=DEPTH_DEFAULT,
-                   help=f"{DEPTH_VAR} for the pipelined arm (1..{DEPTH_MAX}, "
-                   f"default {DEPTH_DEFAULT})")
-    p.add_argument("--reduce-group", choices=REDUCE_GROUPS, default="shared",
-                   help="pipelined arm: reduce on the TP group the broadcast uses "
-                   "(shared, as the plugin does) or on a second gloo group (dedicated)")
-    p.add_argument("--out", metavar="FILE.jsonl",
-                   help="append one JSON object per run (config, versions, figures)")
-    p.add_argument("--png", metavar="FILE",
-                   help="plot (default: next to --out, else ./bench.png)")
-    p.add_argument("--timeout", type=_nonneg_float("--timeout"), default=0.0,
-                   help="seconds per arm before the ranks are killed (default: from the "
-                   "step count)")
+    p.add_argument(
+        "--depth",
+        type=_int_in("--depth", 1, DEPTH_MAX),
+        default=DEPTH_DEFAULT,
+        help=f"{DEPTH_VAR} for the pipelined arm (1..{DEPTH_MAX}, default {DEPTH_DEFAULT})",
+    )
+    p.add_argument(
+        "--cp",
+        type=_int_in("--cp", 1, 64),
+        default=1,
+        help="attention context-parallel size inside the TP group (must divide --tp; "
+        "CP>1 with TP/CP>1 makes upstream run two reduces per step)",
+    )
+    p.add_argument(
+        "--reduce-group",
+        choices=REDUCE_GROUPS,
+        default="shared",
+        help="pipelined arm: reduce on the TP group the broadcast uses "
+        "(shared, as the plugin does) or on a second gloo group (dedicated)",
+    )
+    p.add_argument(
+        "--out",
+        metavar="FILE.jsonl",
+        help="append one JSON object per run (config, versions, figures)",
+    )
+    p.add_argument("--png", metavar="FILE", help="plot (default: next to --out, else ./bench.png)")
+    p.add_argument(
+        "--timeout",
+        type=_nonneg_float("--timeout"),
+        default=0.0,
+        help="seconds per arm before the ranks are killed (default: from the step count)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--crash-rank-at", type=_crash, default=None, help=argparse.SUPPRESS)
 

@@ -160,8 +160,11 @@ def diagnose(tp: int, step_ms: float, rounds: int) -> Report:
             rep.block(f"{var} is invalid: HiCache init would raise and the server not start")
             continue
         if var == ENABLE_VAR:
-            rep.add(var, f"{shown} -> {'enabled' if value else 'DISABLED'}"
-                    + (" (default)" if raw in (None, "") else ""))
+            rep.add(
+                var,
+                f"{shown} -> {'enabled' if value else 'DISABLED'}"
+                + (" (default)" if raw in (None, "") else ""),
+            )
             if not value:
                 rep.block(f"{ENABLE_VAR}={raw} keeps the blocking path")
         else:
@@ -186,8 +189,8 @@ def diagnose(tp: int, step_ms: float, rounds: int) -> Report:
             penalty = med / (step_ms + med) if step_ms + med > 0 else 0.0
             rep.add(
                 "blocking penalty",
-                f"~{100 * penalty:.1f}% of throughput at {step_ms:g} ms/step "
-                f"(median / (step + median)); pipelined hides it",
+                f"~{100 * penalty:.1f}% of throughput on the blocking path at "
+                f"{step_ms:g} ms/step (median / (step + median))",
             )
     else:
         rep.add("gloo all_reduce", "not measured (--rounds 0)")
@@ -220,12 +223,24 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "the plugin's env settings, and measure the N-rank gloo all_reduce latency. "
         "Exits non-zero when the plugin would not be active.",
     )
-    p.add_argument("--tp", type=_int_in("--tp", 1, MAX_TP), default=DEFAULT_TP,
-                   help=f"ranks for the latency measurement (default {DEFAULT_TP})")
-    p.add_argument("--step-ms", type=_nonneg_float("--step-ms"), default=DEFAULT_STEP_MS,
-                   help=f"step time for the predicted penalty (default {DEFAULT_STEP_MS:g})")
-    p.add_argument("--rounds", type=_int_in("--rounds", 0), default=DEFAULT_ROUNDS,
-                   help=f"all_reduces to time (default {DEFAULT_ROUNDS}; 0 skips)")
+    p.add_argument(
+        "--tp",
+        type=_int_in("--tp", 1, MAX_TP),
+        default=DEFAULT_TP,
+        help=f"ranks for the latency measurement (default {DEFAULT_TP})",
+    )
+    p.add_argument(
+        "--step-ms",
+        type=_nonneg_float("--step-ms"),
+        default=DEFAULT_STEP_MS,
+        help=f"step time for the predicted penalty (default {DEFAULT_STEP_MS:g})",
+    )
+    p.add_argument(
+        "--rounds",
+        type=_int_in("--rounds", 0),
+        default=DEFAULT_ROUNDS,
+        help=f"all_reduces to time (default {DEFAULT_ROUNDS}; 0 skips)",
+    )
     p.set_defaults(func=run)
     return p
 
