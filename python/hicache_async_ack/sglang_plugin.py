@@ -15,7 +15,7 @@ from typing import Any, Callable, Hashable, Optional
 
 from . import __version__
 from .core import Consumed, HiCacheAckSyncError, PipelinedAckSync
-from .env import DEPTH_VAR, ENABLE_VAR, Settings, read_settings
+from .env import ENABLE_VAR, Settings, read_settings
 
 logger = logging.getLogger("sglang.srt.mem_cache.hicache_async_ack")
 
@@ -469,7 +469,7 @@ def register() -> None:
         return
     for attr, kind, hook in HOOKS:
         HookRegistry.register(f"{CACHE_CLASS}.{attr}", hook, getattr(HookType, kind))
-    logger.debug("hicache-async-ack: hooks registered (depth env %s)", DEPTH_VAR)
+    logger.debug("hicache-async-ack: registered %d hooks on %s", len(HOOKS), CACHE_CLASS)
 
 
 __all__ = [
