@@ -150,13 +150,14 @@ class RankDriver:
         return left
 
     def summary(self, per_step: list) -> dict:
+        decision = self.state.decide(self.sim.cache)
         return {
             "pops": per_step,
             "violations": self.sim.cc.violations,
             "left": self.left(),
             "pending": self.state.sync.pending if self.state.sync else 0,
-            "pipelined": self.state.decide(self.sim.cache).pipelined,
-            "reason": self.state.decide(self.sim.cache).reason,
+            "pipelined": decision.pipelined,
+            "reason": decision.reason,
             "counts": {"enqueued": self.enqueued, "events": self.event_counts},
         }
 
