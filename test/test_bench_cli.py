@@ -13,12 +13,9 @@ from importlib import metadata
 import pytest
 
 from hicache_async_ack import __version__
+from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR, PLUGINS_VAR
 
-PLUGIN_VARS = (
-    "SGLANG_PLUGINS",
-    "SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC",
-    "SGLANG_HICACHE_ASYNC_ACK_DEPTH",
-)
+PLUGIN_VARS = (PLUGINS_VAR, ENABLE_VAR, DEPTH_VAR)
 ARM_FIELDS = (
     "path",
     "check_ms",
@@ -61,69 +58,47 @@ def _finish(proc, timeout=240):
     return proc.returncode, out, err
 
 
-def test_bench_end_to_end(tmp_path):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
     """Three arms at TP=2, plus (concurrently, to share the import time) a
     pipelined-only run with storage, a dedicated reduce group, depth 2 and an
     injected latency."""
-    out, png = tmp_path / "r.jsonl", tmp_path / "r.png"
+    tmp = tmp_path_factory.mktemp("bench")
+    short = ["--tp", "2", "--step-ms", "2", "--quiet"]
     main = _start(
-        [
-            "bench",
-            "--tp",
-            "2",
-            "--steps",
-            "30",
-            "--warmup",
-            "5",
-            "--step-ms",
-            "2",
-            "--out",
-            str(out),
-            "--png",
-            str(png),
-            "--quiet",
-        ],
-        tmp_path,
+        ["bench", *short, "--steps", "30", "--warmup", "5"]
+        + ["--out", str(tmp / "r.jsonl"), "--png", str(tmp / "r.png")],
+        tmp,
     )
-    var_out = tmp_path / "v.jsonl"
     variant = _start(
-        [
-            "bench",
-            "--tp",
-            "2",
-            "--steps",
-            "20",
-            "--warmup",
-            "2",
-            "--step-ms",
-            "2",
-            "--arms",
-            "pipelined,blocking",
-            "--storage",
-            "--reduce-group",
-            "dedicated",
-            "--depth",
-            "2",
-            "--inject-latency-ms",
-            "1",
-            "--out",
-            str(var_out),
-            "--quiet",
-        ],
-        tmp_path,
+        ["bench", *short, "--steps", "20", "--warmup", "2", "--arms", "pipelined,blocking"]
+        + ["--storage", "--reduce-group", "dedicated", "--depth", "2"]
+        + ["--inject-latency-ms", "1", "--out", str(tmp / "v.jsonl")],
+        tmp,
     )
-    rc, stdout, stderr = _finish(main)
-    vrc, vstdout, vstderr = _finish(variant)
-    assert rc == 0, f"stdout:\n{stdout}\nstderr:\n{stderr}"
-    assert vrc == 0, f"stdout:\n{vstdout}\nstderr:\n{vstderr}"
+    out = {"main": _finish(main), "variant": _finish(variant), "dir": tmp}
+    for name in ("main", "variant"):
+        rc, stdout, stderr = out[name]
+        assert rc == 0, f"{name}\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    return out
 
-    lines = out.read_text().splitlines()
+
+def _record(runs, name):
+    lines = (runs["dir"] / f"{name}.jsonl").read_text().splitlines()
     assert len(lines) == 1
-    rec = json.loads(lines[0])
+    return json.loads(lines[0])
+
+
+def test_bench_record_names_config_and_versions(runs):
+    rec = _record(runs, "r")
     assert rec["config"]["tp"] == 2 and rec["config"]["steps"] == 30
     assert rec["versions"]["plugin"] == __version__
     assert rec["versions"]["sglang"] and rec["versions"]["torch"]
     assert rec["cpu_count"] >= 1
+
+
+def test_bench_every_arm_has_its_figures_and_no_violation(runs):
+    rec = _record(runs, "r")
     assert set(rec["arms"]) == {"l1", "blocking", "pipelined"}
     for arm, figures in rec["arms"].items():
         for field in ARM_FIELDS:
@@ -135,26 +110,36 @@ def test_bench_end_to_end(tmp_path):
     assert rec["arms"]["l1"]["acks_popped"] == 0
     for arm in ("blocking", "pipelined"):
         assert set(rec["arms"][arm]["check_ms"]) >= {"median", "p90", "p99"}
-    pipe = rec["arms"]["pipelined"]
-    assert pipe["acks_popped"] > 0
-    assert pipe["path"].startswith("pipelined over the one TP group")
-    assert rec["arms"]["blocking"]["path"].startswith("stock SGLang")
-    # the same workload is popped (give or take what is still queued at the end)
-    assert abs(pipe["acks_popped"] - rec["arms"]["blocking"]["acks_popped"]) <= 20
-    # acks are popped later on the pipelined path (about one step at depth 1)
-    assert pipe["mean_lag_steps"] > 0
-    assert png.read_bytes()[:8] == PNG_MAGIC
+    stdout = runs["main"][1]
     for arm in ("l1", "blocking", "pipelined"):
         assert arm in stdout
 
-    vrec = json.loads(var_out.read_text().splitlines()[0])
+
+def test_bench_pipelined_arm_really_pipelines_the_same_workload(runs):
+    rec = _record(runs, "r")
+    pipe, blocking = rec["arms"]["pipelined"], rec["arms"]["blocking"]
+    assert pipe["acks_popped"] > 0
+    assert pipe["path"].startswith("pipelined over the one TP group")
+    assert blocking["path"].startswith("stock SGLang")
+    # the same workload is popped (give or take what is still queued at the end)
+    assert abs(pipe["acks_popped"] - blocking["acks_popped"]) <= 20
+    # acks are popped later on the pipelined path (about one step at depth 1)
+    assert pipe["mean_lag_steps"] > 0
+
+
+def test_bench_writes_the_png(runs):
+    assert (runs["dir"] / "r.png").read_bytes()[:8] == PNG_MAGIC
+    assert (runs["dir"] / "v.png").read_bytes()[:8] == PNG_MAGIC  # default: next to --out
+
+
+def test_bench_variant_storage_dedicated_depth2_latency(runs):
+    vrec = _record(runs, "v")
     assert list(vrec["arms"]) == ["pipelined", "blocking"]
     vp = vrec["arms"]["pipelined"]
     assert vp["violations"] == [] and vp["acks_popped"] > 0 and vp["storage_popped"] > 0
     assert "depth 2" in vp["path"]
     assert vp["mean_lag_steps"] > 1
     assert vrec["arms"]["blocking"]["throughput_vs_l1"] is None  # no L1 arm
-    assert (tmp_path / "v.png").read_bytes()[:8] == PNG_MAGIC  # default: next to --out
 
 
 @pytest.mark.parametrize(
@@ -165,7 +150,8 @@ def test_bench_end_to_end(tmp_path):
         (["--arms", "bogus"], "accepted values: l1, blocking, pipelined"),
         (["--arms", "l1,bogus"], "accepted values: l1, blocking, pipelined"),
         (["--depth", "9"], "accepted values: an integer from 1 to 8"),
-        (["--inject-latency-ms", "-1"], "accepted values: a number >= 0"),
+        (["--inject-latency-ms", "-1"], "accepted values: a number >= 0 (milliseconds)"),
+        (["--timeout", "-1"], "accepted values: a number >= 0 (seconds)"),
         (["--reduce-group", "other"], "'shared', 'dedicated'"),
     ],
 )
@@ -177,45 +163,35 @@ def test_bench_refuses_bad_options(tmp_path, args, accepted):
 
 
 def test_bench_fails_clearly_when_a_rank_dies(tmp_path):
+    args = ["bench", "--arms", "l1", "--tp", "2", "--steps", "20", "--step-ms", "1"]
     rc, out, err = _finish(
-        _start(
-            [
-                "bench",
-                "--arms",
-                "l1",
-                "--tp",
-                "2",
-                "--steps",
-                "20",
-                "--step-ms",
-                "1",
-                "--crash-rank-at",
-                "1:5",
-                "--quiet",
-            ],
-            tmp_path,
-        ),
-        timeout=90,
+        _start([*args, "--crash-rank-at", "1:5", "--quiet"], tmp_path), timeout=90
     )
     assert rc == 1, err
     assert "rank 1 exited with code 3" in err
     assert not (tmp_path / "bench.png").exists()
 
 
-def test_doctor(tmp_path):
-    """Default env: active (exit 0). Disabled by env, or excluded by
-    SGLANG_PLUGINS: inactive (non-zero). Run concurrently (each imports SGLang)."""
-    args = ["doctor", "--tp", "2", "--rounds", "20"]
+DOCTOR_CASES = {
+    "default": (["--tp", "2", "--rounds", "20"], {}),
+    "disabled": (["--tp", "2", "--rounds", "20"], {ENABLE_VAR: "0"}),
+    "excluded": (["--tp", "2", "--rounds", "20"], {PLUGINS_VAR: "other"}),
+    "bad depth": (["--rounds", "0"], {DEPTH_VAR: "99"}),
+}
+
+
+@pytest.fixture(scope="module")
+def doctor_runs(tmp_path_factory):
+    """Every case at once (each imports SGLang)."""
+    tmp = tmp_path_factory.mktemp("doctor")
     procs = {
-        "default": _start(args, tmp_path),
-        "disabled": _start(args, tmp_path, SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC="0"),
-        "excluded": _start(args, tmp_path, SGLANG_PLUGINS="other"),
-        "bad depth": _start(
-            ["doctor", "--rounds", "0"], tmp_path, SGLANG_HICACHE_ASYNC_ACK_DEPTH="99"
-        ),
+        name: _start(["doctor", *args], tmp, **env) for name, (args, env) in DOCTOR_CASES.items()
     }
-    res = {name: _finish(p) for name, p in procs.items()}
-    rc, out, err = res["default"]
+    return {name: _finish(p) for name, p in procs.items()}
+
+
+def test_doctor_active_by_default(doctor_runs):
+    rc, out, err = doctor_runs["default"]
     assert rc == 0, f"stdout:\n{out}\nstderr:\n{err}"
     assert __version__ in out
     assert metadata.version("sglang") in out
@@ -223,12 +199,14 @@ def test_doctor(tmp_path):
     assert "gloo all_reduce" in out and "median" in out
     assert "blocking penalty" in out
     assert "ACTIVE" in out
-    for name, needle in (
-        ("disabled", "SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC"),
-        ("excluded", "SGLANG_PLUGINS"),
-        ("bad depth", "SGLANG_HICACHE_ASYNC_ACK_DEPTH"),
-    ):
-        rc, out, err = res[name]
-        assert rc != 0, (name, out, err)
-        assert "INACTIVE" in out and needle in out.split("verdict")[1], (name, out)
-        assert __version__ in out
+
+
+@pytest.mark.parametrize(
+    "name, needle",
+    [("disabled", ENABLE_VAR), ("excluded", PLUGINS_VAR), ("bad depth", DEPTH_VAR)],
+)
+def test_doctor_inactive_names_the_reason(doctor_runs, name, needle):
+    rc, out, err = doctor_runs[name]
+    assert rc != 0, (name, out, err)
+    assert "INACTIVE" in out and needle in out.split("verdict")[1], (name, out)
+    assert __version__ in out

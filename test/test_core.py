@@ -9,6 +9,7 @@ import pytest
 
 from hicache_async_ack import env
 from hicache_async_ack.core import HiCacheAckSyncError, PipelinedAckSync, still_queued
+from hicache_async_ack.testing.collectives import MinHub
 
 
 class Ref:
@@ -20,28 +21,10 @@ class Ref:
     __hash__ = object.__hash__
 
 
-class Hub:
-    """Single-rank MIN collective whose peer value can be programmed."""
-
-    def __init__(self):
-        self.peer = None
-        self.issued = []
-
-    def __call__(self, values):
-        self.issued.append(values)
-        hub = self
-
-        class H:
-            def wait(self):
-                peer = hub.peer or values
-                return [min(a, b) for a, b in zip(values, peer)]
-
-        return H()
-
-
 def test_core_imports_without_sglang():
     code = (
-        "import sys, hicache_async_ack.core, hicache_async_ack.env;"
+        "import sys, hicache_async_ack.core, hicache_async_ack.env,"
+        " hicache_async_ack.testing.collectives;"
         "assert not any(m.startswith('sglang') for m in sys.modules), 'sglang imported';"
         "assert 'torch' not in sys.modules"
     )
@@ -64,10 +47,13 @@ def test_still_queued_rejects_a_reordered_queue():
 
 
 def test_consume_waits_only_when_depth_reached():
-    hub = Hub()
-    sync = PipelinedAckSync(hub, depth=3)
+    hub = MinHub()
+    sync = PipelinedAckSync(hub.collective(), depth=3)
     q = [Ref() for _ in range(5)]
-    head = lambda name, n: q[:n]  # noqa: E731
+
+    def head(name, n):
+        return q[:n]
+
     for i in range(3):
         assert sync.consume_due(head) is None
         sync.issue({"w": q[: i + 1]}, digest=0)
@@ -77,12 +63,12 @@ def test_consume_waits_only_when_depth_reached():
 
 
 def test_pop_count_is_the_peer_min_still_queued():
-    hub = Hub()
-    sync = PipelinedAckSync(hub, depth=1)
+    hub = MinHub()
+    sync = PipelinedAckSync(hub.collective(), depth=1)
     q = [Ref() for _ in range(4)]
     sync.issue({"w": q[:4], "l": []}, digest=3)
     assert hub.issued == [[4, 0, 3, -3]]
-    hub.peer = [2, 0, 3, -3]
+    hub.peer = lambda values: [2, 0, 3, -3]
     del q[0]  # a write-back flush took the first one meanwhile
     got = sync.consume_due(lambda name, n: q[:n] if name == "w" else [])
     assert got.agreed == {"w": 2, "l": 0}
@@ -90,10 +76,10 @@ def test_pop_count_is_the_peer_min_still_queued():
 
 
 def test_digest_divergence_and_failure_are_sticky():
-    hub = Hub()
-    sync = PipelinedAckSync(hub)
+    hub = MinHub()
+    sync = PipelinedAckSync(hub.collective())
     sync.issue({"w": []}, digest=5)
-    hub.peer = [0, 4, -5]
+    hub.peer = lambda values: [0, 4, -5]
     with pytest.raises(HiCacheAckSyncError, match="ranks diverged"):
         sync.consume_due(lambda n, k: [])
     with pytest.raises(HiCacheAckSyncError, match="will not retry"):
@@ -101,8 +87,8 @@ def test_digest_divergence_and_failure_are_sticky():
 
 
 def test_drain_applies_each_before_reconciling_the_next():
-    hub = Hub()
-    sync = PipelinedAckSync(hub, depth=2)
+    hub = MinHub()
+    sync = PipelinedAckSync(hub.collective(), depth=2)
     q = [Ref() for _ in range(3)]
     sync.issue({"w": q[:2]}, 0)
     sync.issue({"w": q[:3]}, 0)  # overlaps the first: q[0], q[1] in both
@@ -119,7 +105,7 @@ def test_drain_applies_each_before_reconciling_the_next():
 
 def test_depth_must_be_positive():
     with pytest.raises(ValueError):
-        PipelinedAckSync(Hub(), depth=0)
+        PipelinedAckSync(MinHub().collective(), depth=0)
 
 
 @pytest.mark.parametrize("raw", [None, "", "1", "true", "TRUE", "Yes", "y"])
@@ -154,5 +140,5 @@ def test_depth_bad_values(raw):
 
 def test_plugins_whitelist():
     assert env.plugin_whitelisted({})
-    assert env.plugin_whitelisted({"SGLANG_PLUGINS": "a, hicache_async_ack"})
-    assert not env.plugin_whitelisted({"SGLANG_PLUGINS": "other"})
+    assert env.plugin_whitelisted({env.PLUGINS_VAR: "a, hicache_async_ack"})
+    assert not env.plugin_whitelisted({env.PLUGINS_VAR: "other"})

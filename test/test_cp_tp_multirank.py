@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from ranks import assert_lagged_equal, assert_symmetric_and_complete, run_ranks
+from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR
+from hicache_async_ack.testing.checks import assert_lagged_equal, assert_symmetric_and_complete
+from hicache_async_ack.testing.layout import attention_cp_layout
 
-DEPTH = "SGLANG_HICACHE_ASYNC_ACK_DEPTH"
-OFF = {"SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC": "0"}
+from gloo_ranks import run_scenarios
+
+OFF = {ENABLE_VAR: "0"}
 BASE = dict(steps=250, max_delay=3, skew=True, cp_x_tp="grid")
+# CP=2 x TP=2 as SGLang lays it out, plus "odd_cp": CP groups equal to the attn
+# TP groups, a layout no single group matches (the plugin must keep it blocking).
+LAYOUT = dict(attention_cp_layout(4, 2), odd_cp=[[0, 1], [2, 3]])
 
 
 @pytest.fixture(scope="module")
@@ -18,12 +24,12 @@ def results():
     specs = [
         dict(BASE, name="cp_tp_pipelined", seed=31),
         dict(BASE, name="cp_tp_blocking", seed=31, env=OFF),
-        dict(BASE, name="cp_tp_depth2", seed=31, env={DEPTH: "2"}),
+        dict(BASE, name="cp_tp_depth2", seed=31, env={DEPTH_VAR: "2"}),
         dict(BASE, name="cp_tp_storage_pipelined", seed=32, storage=True),
         dict(BASE, name="cp_tp_storage_blocking", seed=32, storage=True, env=OFF),
         dict(BASE, name="odd_layout", seed=33, cp_x_tp="odd", steps=60),
     ]
-    return run_ranks(4, specs)
+    return run_scenarios(4, specs, layout=LAYOUT)
 
 
 @pytest.mark.parametrize(

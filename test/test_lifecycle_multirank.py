@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from ranks import assert_symmetric_and_complete, run_ranks
-from traffic import ACK_KINDS
+from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR
+from hicache_async_ack.testing.checks import assert_symmetric_and_complete
+from hicache_async_ack.testing.scenarios import ACK_KINDS
+
+from gloo_ranks import run_scenarios
 
 WORLD = 4
 LIFECYCLE = dict(max_delay=3, skew=True, storage=True, extra_pools=["mamba"], event_p=0.08)
@@ -19,9 +22,9 @@ LIFECYCLE = dict(max_delay=3, skew=True, storage=True, extra_pools=["mamba"], ev
 RUNS = [
     ("lifecycle_depth1", 3500, {}),
     ("lifecycle_depth1_b", 3000, {}),
-    ("lifecycle_depth2", 2000, {"SGLANG_HICACHE_ASYNC_ACK_DEPTH": "2"}),
-    ("lifecycle_depth3", 1500, {"SGLANG_HICACHE_ASYNC_ACK_DEPTH": "3"}),
-    ("lifecycle_blocking", 600, {"SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC": "0"}),
+    ("lifecycle_depth2", 2000, {DEPTH_VAR: "2"}),
+    ("lifecycle_depth3", 1500, {DEPTH_VAR: "3"}),
+    ("lifecycle_blocking", 600, {ENABLE_VAR: "0"}),
 ]
 
 
@@ -32,7 +35,7 @@ def results():
         for i, (name, steps, env) in enumerate(RUNS)
     ]
     specs.append(dict(name="digest_divergence", seed=7, steps=40, diverge_at=20, expect_error=True))
-    return run_ranks(WORLD, specs, timeout=1500)
+    return run_scenarios(WORLD, specs, timeout=1500)
 
 
 def _ack_pops_symmetric_under_local_drains(results, name):
@@ -67,7 +70,7 @@ def test_killed_rank_surfaces_on_every_survivor():
     """A rank dies mid-run: every survivor raises an error naming the HiCache ack
     sync within the group timeout, never hangs."""
     spec = dict(name="kill", seed=9, steps=200, die_at=30, max_delay=2)
-    results = run_ranks(WORLD, [spec], timeout=180, group_timeout=20, allow_exit={WORLD - 1})
+    results = run_scenarios(WORLD, [spec], timeout=180, group_timeout=20, allow_exit=(WORLD - 1,))
     for rank in range(WORLD - 1):
         r = results[rank]["kill"]
         assert "HiCache ack sync" in r.get("error", ""), (rank, r.get("error"))
@@ -78,7 +81,7 @@ def test_stalled_rank_times_out_on_every_survivor():
     """A rank stops stepping without dying: the pending reduce's wait() times out
     with the group timeout and surfaces as the HiCache ack sync error."""
     spec = dict(name="stall", seed=9, steps=200, stall_at=30, stall_s=15, max_delay=2)
-    results = run_ranks(WORLD, [spec], timeout=180, group_timeout=5, allow_exit={WORLD - 1})
+    results = run_scenarios(WORLD, [spec], timeout=180, group_timeout=5, allow_exit=(WORLD - 1,))
     for rank in range(WORLD - 1):
         r = results[rank]["stall"]
         assert "HiCache ack sync" in r.get("error", ""), (rank, r.get("error"))

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from ranks import assert_lagged_equal, assert_symmetric_and_complete, run_ranks
+from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR
+from hicache_async_ack.testing.checks import assert_lagged_equal, assert_symmetric_and_complete
 
-OFF = {"SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC": "0"}
-DEPTH = "SGLANG_HICACHE_ASYNC_ACK_DEPTH"
+from gloo_ranks import run_scenarios
+
+OFF = {ENABLE_VAR: "0"}
 
 
 def _specs(steps: int) -> list[dict]:
@@ -21,15 +23,15 @@ def _specs(steps: int) -> list[dict]:
         dict(base, name="blocking_storage", seed=12, storage=True, extra_pools=["mamba"], env=OFF),
         dict(base, name="pipelined_no_skew", seed=13, skew=False),
         dict(base, name="blocking_no_skew", seed=13, skew=False, env=OFF),
-        dict(base, name="pipelined_depth2", seed=11, env={DEPTH: "2"}),
-        dict(base, name="pipelined_depth3", seed=11, env={DEPTH: "3"}),
+        dict(base, name="pipelined_depth2", seed=11, env={DEPTH_VAR: "2"}),
+        dict(base, name="pipelined_depth3", seed=11, env={DEPTH_VAR: "3"}),
     ]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
 def ranks(request):
     world = request.param
-    return world, run_ranks(world, _specs(steps=300 if world == 2 else 200))
+    return world, run_scenarios(world, _specs(steps=300 if world == 2 else 200))
 
 
 @pytest.mark.parametrize(

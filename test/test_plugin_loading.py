@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 
+from hicache_async_ack.env import ENABLE_VAR, PLUGINS_VAR
+
 PROBE = textwrap.dedent(
     """
     import logging, sys
@@ -16,9 +18,9 @@ PROBE = textwrap.dedent(
     from sglang.srt.plugins import load_plugins
     load_plugins()
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache as C
-    from hicache_async_ack.sglang_plugin import _is_hooked
+    from hicache_async_ack.sglang_plugin import is_hooked
     names = ("init_hicache", "check_hicache_events", "_sync_hicache_ready_counts")
-    print("HOOKED", [_is_hooked(getattr(C, n)) for n in names])
+    print("HOOKED", [is_hooked(getattr(C, n)) for n in names])
     """
 )
 
@@ -40,10 +42,10 @@ def outputs():
     """One fresh process per environment, run concurrently (imports are slow)."""
     procs = {
         "default": _start(),
-        "whitelisted": _start(SGLANG_PLUGINS="hicache_async_ack"),
-        "other": _start(SGLANG_PLUGINS="some_other_plugin"),
-        "disabled": _start(SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC="0"),
-        "bad_env": _start(SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC="maybe"),
+        "whitelisted": _start(**{PLUGINS_VAR: "hicache_async_ack"}),
+        "other": _start(**{PLUGINS_VAR: "some_other_plugin"}),
+        "disabled": _start(**{ENABLE_VAR: "0"}),
+        "bad_env": _start(**{ENABLE_VAR: "maybe"}),
     }
     out = {}
     try:
@@ -69,23 +71,20 @@ def test_whitelist_without_us_leaves_stock_behaviour(outputs):
 
 def test_opt_out_registers_nothing_and_says_why(outputs):
     assert "HOOKED [False, False, False]" in outputs["disabled"]
-    assert (
-        "blocking (upstream path) because SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC=0"
-        in (outputs["disabled"])
-    )
+    assert f"blocking (upstream path) because {ENABLE_VAR}=0" in outputs["disabled"]
 
 
 def test_bad_env_fails_server_start_not_swallowed(outputs):
     # Only the init_hicache guard is registered; it raises at HiCache init.
     assert "HOOKED [True, False, False]" in outputs["bad_env"]
-    assert "SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC='maybe' is not a boolean" in outputs["bad_env"]
+    assert f"{ENABLE_VAR}='maybe' is not a boolean" in outputs["bad_env"]
 
 
 def test_bad_env_raises_at_cache_init(plugin, monkeypatch):
     """The guard hook itself: init_hicache raises a ValueError naming the values."""
     from hicache_async_ack import sglang_plugin
 
-    err = ValueError("SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC='maybe' is not a boolean")
+    err = ValueError(f"{ENABLE_VAR}='maybe' is not a boolean")
     guard = sglang_plugin._raise_config_error(err)
     with pytest.raises(ValueError, match="not a boolean"):
         guard(object(), None, None)
@@ -116,7 +115,7 @@ def test_version_drift_registers_nothing(monkeypatch, caplog):
     monkeypatch.setattr(
         sglang_plugin, "upstream_shape_problems", lambda cls=None: ["loading_check drift"]
     )
-    monkeypatch.delenv("SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC", raising=False)
+    monkeypatch.delenv(ENABLE_VAR, raising=False)
     caplog.set_level(logging.WARNING, logger="sglang.srt.mem_cache.hicache_async_ack")
     sglang_plugin.register()
     assert registered == []

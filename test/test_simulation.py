@@ -18,70 +18,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache_async_ack import core
-
-from traffic import ACK_KINDS, COLLECTIVE_EVENTS, EVENTS, LOCAL_DRAIN_EVENTS, RankDriver
-
-
-class Hub:
-    """MIN collectives among in-process ranks: async (sequence-numbered) for the
-    plugin, blocking (thread barrier) for upstream's own _all_reduce."""
-
-    def __init__(self, world: int):
-        self.world = world
-        self.slots: dict[int, dict[int, list]] = defaultdict(dict)
-        self.seq = [0] * world
-        self.barrier = threading.Barrier(world, timeout=10)
-        self.blocking_in: dict[int, list] = {}
-
-    def collective(self, rank: int):
-        hub = self
-
-        def issue(values):
-            seq = hub.seq[rank]
-            hub.seq[rank] += 1
-            hub.slots[seq][rank] = list(values)
-
-            class Handle:
-                def wait(self):
-                    slot = hub.slots[seq]
-                    missing = sorted(set(range(hub.world)) - set(slot))
-                    assert not missing, (
-                        f"rank {rank} waits on reduce #{seq}; {missing} never issued it"
-                    )
-                    lens = {len(v) for v in slot.values()}
-                    assert len(lens) == 1, f"reduce #{seq}: layouts differ across ranks {lens}"
-                    return [min(col) for col in zip(*slot.values())]
-
-            return Handle()
-
-        return issue
-
-    def blocking(self, rank: int):
-        def all_reduce(tensor, op):
-            self.blocking_in[rank] = tensor.tolist()
-            self.barrier.wait()
-            vals = self.blocking_in.values()
-            assert len({len(v) for v in vals}) == 1, "blocking reduce layouts differ"
-            reduced = [min(col) for col in zip(*vals)]
-            self.barrier.wait()
-            tensor.copy_(tensor.new_tensor(reduced).reshape(tensor.shape))
-            if rank == 0:
-                self.blocking_in.clear()
-            self.barrier.wait()
-
-        return all_reduce
-
-
-class SimGroup:
-    def __init__(self, rank, size, hub):
-        self.rank, self.size, self.hub = rank, size, hub
+from hicache_async_ack import ack_sync, core
+from hicache_async_ack.env import DEPTH_VAR
+from hicache_async_ack.testing.collectives import MinHub
+from hicache_async_ack.testing.scenarios import (
+    ACK_KINDS,
+    COLLECTIVE_EVENTS,
+    EVENTS,
+    LOCAL_DRAIN_EVENTS,
+    RankDriver,
+)
 
 
 @pytest.fixture
 def sim_plugin(plugin, monkeypatch):
-    monkeypatch.setattr(plugin, "collective_factory", lambda g: g.hub.collective(g.rank))
-    monkeypatch.setattr(plugin, "_world_size", lambda g: g.size)
+    monkeypatch.setattr(ack_sync, "collective_factory", lambda g: g.hub.collective(g.rank))
+    monkeypatch.setattr(ack_sync, "world_size", lambda g: g.size)
     return plugin
 
 
@@ -104,10 +56,10 @@ def simulate(
         extra_pools=["mamba"] if storage else [],
         event_p=event_p,
         events=list(events),
-        env={"SGLANG_HICACHE_ASYNC_ACK_DEPTH": str(depth)},
+        env={DEPTH_VAR: str(depth)},
     )
-    hub = Hub(world)
-    drivers = [RankDriver(spec, r, world, {"tp": SimGroup(r, world, hub)}) for r in range(world)]
+    hub = MinHub(world)
+    drivers = [RankDriver(spec, r, world, {"tp": hub.group(r)}) for r in range(world)]
     for d in drivers:
         assert d.state.sync is not None, d.state.static
         d.sim.cache.__dict__["_all_reduce"] = hub.blocking(d.rank)
@@ -115,7 +67,7 @@ def simulate(
     for step in range(drivers[0].total_steps):
         try:
             for d in drivers:
-                d.traffic(step)
+                d.step_traffic(step)
             evs = {d.pick_event(step) for d in drivers}
             assert len(evs) == 1, f"ranks chose different events {evs}"
             ev = evs.pop()
@@ -154,7 +106,7 @@ def _run_threads(fns):
     def guard(fn):
         try:
             fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
+        except BaseException as exc:  # re-raised below
             errors.append(exc)
 
     threads = [threading.Thread(target=guard, args=(fn,)) for fn in fns]

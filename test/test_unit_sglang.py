@@ -4,28 +4,30 @@ from __future__ import annotations
 
 import pytest
 
+from hicache_async_ack import ack_sync
 from hicache_async_ack.core import HiCacheAckSyncError
+from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR
+from hicache_async_ack.testing.collectives import FakeGroup
 
-from conftest import FakeGroup
 
-DONE = lambda: True  # noqa: E731
-NOT_YET = lambda: False  # noqa: E731
+def DONE():
+    return True
 
 
 def acks(sim, kind, n, done=DONE):
     return [sim.add_ack(kind, done) for _ in range(n)]
 
 
-def test_first_step_issues_one_reduce_and_pops_nothing(make_cache, fake_collective):
+def test_first_step_issues_one_reduce_and_pops_nothing(make_cache, hub):
     sim = make_cache(tp=2)
     acks(sim, "write", 2)
     sim.cache.check_hicache_events()
     assert sim.take_pops() == []
-    assert fake_collective.issued == [[2, 0, 0, 0]]
-    assert all(not h.waited for h in fake_collective.handles)
+    assert hub.issued == [[2, 0, 0, 0]]
+    assert all(not h.waited for h in hub.handles)
 
 
-def test_pops_previous_counts_then_reduces_the_remainder(make_cache, fake_collective):
+def test_pops_previous_counts_then_reduces_the_remainder(make_cache, hub):
     sim = make_cache(tp=2)
     w = acks(sim, "write", 3)
     ld = acks(sim, "load", 1)
@@ -33,17 +35,17 @@ def test_pops_previous_counts_then_reduces_the_remainder(make_cache, fake_collec
     w += acks(sim, "write", 2)  # finish between the steps
     sim.cache.check_hicache_events()  # pops the agreed 3 + 1, then counts 2
     assert sim.take_pops() == [("write", u) for u in w[:3]] + [("load", ld[0])]
-    assert fake_collective.issued[1][:2] == [2, 0]  # only what remained after popping
+    assert hub.issued[1][:2] == [2, 0]  # only what remained after popping
     sim.cache.check_hicache_events()
     assert sim.take_pops() == [("write", u) for u in w[3:]]
 
 
-def test_waits_before_using_reduced_counts(make_cache, fake_collective):
+def test_waits_before_using_reduced_counts(make_cache, hub):
     sim = make_cache(tp=2)
     w = acks(sim, "write", 3)
     # The peer had only one ack ready; that is known only once wait() returns.
-    fake_collective.peer = lambda v: [1, 0] + v[2:]
-    order = fake_collective.events
+    hub.peer = lambda v: [1, 0] + v[2:]
+    order = hub.events
     sim.cache.check_hicache_events()
     real_finish = sim.cache._finish_write_through_ack
 
@@ -57,10 +59,10 @@ def test_waits_before_using_reduced_counts(make_cache, fake_collective):
     kinds = [e[0] for e in order]
     assert kinds == ["issue", "wait", "pop", "issue"]
     # The two acks the peer had not agreed on are still queued and counted again.
-    assert fake_collective.issued[-1][0] == 2
+    assert hub.issued[-1][0] == 2
 
 
-def test_never_pops_an_unfinished_ack(make_cache, fake_collective):
+def test_never_pops_an_unfinished_ack(make_cache, hub):
     sim = make_cache(tp=2)
     state = {"done": False}
     ready = acks(sim, "write", 1)
@@ -76,30 +78,30 @@ def test_never_pops_an_unfinished_ack(make_cache, fake_collective):
     assert sim.cc.violations == []
 
 
-def test_digest_mismatch_raises_ranks_diverged(make_cache, fake_collective):
+def test_digest_mismatch_raises_ranks_diverged(make_cache, hub):
     sim = make_cache(tp=2)
     sim.tree.write_back_duplicate_reclaim_digest = 7
-    fake_collective.peer = lambda v: v[:-2] + [5, -9]
+    hub.peer = lambda v: v[:-2] + [5, -9]
     sim.cache.check_hicache_events()
     with pytest.raises(HiCacheAckSyncError, match="ranks diverged"):
         sim.cache.check_hicache_events()
 
 
-def test_failed_wait_surfaces_and_is_not_retried(make_cache, fake_collective):
+def test_failed_wait_surfaces_and_is_not_retried(make_cache, hub):
     sim = make_cache(tp=2)
     acks(sim, "write", 1)
     sim.cache.check_hicache_events()
-    fake_collective.fail_on_wait = RuntimeError("Connection closed by peer")
+    hub.fail_on_wait = RuntimeError("Connection closed by peer")
     with pytest.raises(HiCacheAckSyncError, match="HiCache ack sync failed"):
         sim.cache.check_hicache_events()
-    fake_collective.fail_on_wait = None
-    issued = len(fake_collective.issued)
+    hub.fail_on_wait = None
+    issued = len(hub.issued)
     with pytest.raises(HiCacheAckSyncError, match="will not retry"):
         sim.cache.check_hicache_events()
-    assert len(fake_collective.issued) == issued  # no new collective after a failure
+    assert len(hub.issued) == issued  # no new collective after a failure
 
 
-def test_storage_counts_use_upstream_layout_and_drain(make_cache, fake_collective):
+def test_storage_counts_use_upstream_layout_and_drain(make_cache, hub):
     sim = make_cache(tp=2, storage=True, extra_pools=("mamba",))
     e_hit = sim.cc.put_storage("prefetch_hit_queue")
     e_bak = [sim.cc.put_storage("ack_backup_queue") for _ in range(2)]
@@ -107,10 +109,10 @@ def test_storage_counts_use_upstream_layout_and_drain(make_cache, fake_collectiv
     e_ext = sim.cc.put_storage(("extra", "mamba"))
     w = acks(sim, "write", 1)
     sim.cache.check_hicache_events()
-    assert fake_collective.issued[0] == [1, 0, 1, 0, 2, 1, 1, 0, 0]
+    assert hub.issued[0] == [1, 0, 1, 0, 2, 1, 1, 0, 0]
     # the peer has one backup ack fewer
     sim.cc.put_storage("ack_backup_queue")
-    fake_collective.peer = lambda v: [v[0], v[1], v[2], v[3], v[4] - 1] + v[5:]
+    hub.peer = lambda v: [v[0], v[1], v[2], v[3], v[4] - 1] + v[5:]
     sim.cache.check_hicache_events()
     pops = sim.take_pops()
     assert ("write", w[0]) in pops
@@ -118,15 +120,15 @@ def test_storage_counts_use_upstream_layout_and_drain(make_cache, fake_collectiv
     assert [p for p in pops if p[0] == "ack_backup_queue"] == [("ack_backup_queue", e_bak[0])]
     assert ("host_mem_release_queue", e_rel) in pops
     assert (("extra", "mamba"), e_ext) in pops
-    assert fake_collective.issued[1][:7] == [0, 0, 0, 0, 2, 0, 0]
+    assert hub.issued[1][:7] == [0, 0, 0, 0, 2, 0, 0]
 
 
-def test_tp1_applies_local_counts_at_once(make_cache, fake_collective):
+def test_tp1_applies_local_counts_at_once(make_cache, hub):
     sim = make_cache(tp=1, tp_group=None, tp_world_size=1)
     w = acks(sim, "write", 2)
     sim.cache.check_hicache_events()
     assert sim.take_pops() == [("write", u) for u in w]  # same step, no lag
-    assert fake_collective.issued == []
+    assert hub.issued == []
 
 
 def _fake_blocking_reduce(sim, log):
@@ -138,9 +140,9 @@ def _fake_blocking_reduce(sim, log):
     sim.cache.__dict__["_all_reduce"] = all_reduce
 
 
-def test_switch_to_blocking_consumes_pending_first(make_cache, fake_collective):
+def test_switch_to_blocking_consumes_pending_first(make_cache, hub):
     sim = make_cache(tp=2)
-    log = fake_collective.events
+    log = hub.events
     _fake_blocking_reduce(sim, log)
     w = acks(sim, "write", 2)
     sim.cache.check_hicache_events()
@@ -151,29 +153,27 @@ def test_switch_to_blocking_consumes_pending_first(make_cache, fake_collective):
     # the pending agreement popped 2, the blocking sync counted the 3rd
     assert log[-1][1][:2] == [1, 0]
     assert sim.take_pops() == [("write", u) for u in w]
-    from hicache_async_ack.sglang_plugin import state_of
-
-    assert state_of(sim.cache).sync.pending == 0
+    assert ack_sync.state_of(sim.cache).sync.pending == 0
 
 
-def test_opt_out_env_keeps_blocking_path(make_cache, fake_collective):
-    sim = make_cache(tp=2, env={"SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC": "0"})
+def test_opt_out_env_keeps_blocking_path(make_cache, hub):
+    sim = make_cache(tp=2, env={ENABLE_VAR: "0"})
     log = []
     _fake_blocking_reduce(sim, log)
     acks(sim, "write", 1)
     sim.cache.check_hicache_events()
-    assert fake_collective.issued == []
+    assert hub.issued == []
     assert log and log[0][0] == "blocking"
 
 
-def test_depth_two_consumes_the_reduce_issued_two_steps_ago(make_cache, fake_collective):
-    sim = make_cache(tp=2, env={"SGLANG_HICACHE_ASYNC_ACK_DEPTH": "2"})
+def test_depth_two_consumes_the_reduce_issued_two_steps_ago(make_cache, hub):
+    sim = make_cache(tp=2, env={DEPTH_VAR: "2"})
     w = acks(sim, "write", 1)
     sim.cache.check_hicache_events()
     w += acks(sim, "write", 1)
     sim.cache.check_hicache_events()
     assert sim.take_pops() == []
-    assert [h.waited for h in fake_collective.handles] == [False, False]
+    assert [h.waited for h in hub.handles] == [False, False]
     sim.cache.check_hicache_events()
     assert sim.take_pops() == [("write", w[0])]
     # the second reduce also covered w[0]; it must not be popped twice
@@ -202,18 +202,18 @@ def test_depth_two_consumes_the_reduce_issued_two_steps_ago(make_cache, fake_col
 )
 def test_eligibility_rules(make_cache, plugin, monkeypatch, kwargs, changes, pipelined, reason):
     # CP x TP: whether a group spans both is decided over real gloo (multirank tests)
-    monkeypatch.setattr(plugin, "spanning_group", lambda cache, cp, tp: None)
+    monkeypatch.setattr(ack_sync, "spanning_group", lambda cache, cp, tp: None)
     sim = make_cache(**kwargs)
     sim.cache.__dict__.update(changes)
-    decision = plugin.state_of(sim.cache).decide(sim.cache)
+    decision = ack_sync.state_of(sim.cache).decide(sim.cache)
     assert decision.pipelined is pipelined
     assert reason in decision.reason
 
 
-def test_subclass_overriding_check_hicache_events_stays_blocking(plugin, fake_collective):
+def test_subclass_overriding_check_hicache_events_stays_blocking(plugin, hub):
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    from hicache_async_ack.simulated import build_cache
+    from hicache_async_ack.testing.sim_cache import build_cache
 
     class Custom(UnifiedRadixCache):
         def check_hicache_events(self):
@@ -221,7 +221,7 @@ def test_subclass_overriding_check_hicache_events_stays_blocking(plugin, fake_co
 
     sim = build_cache(tp_group=FakeGroup(2), tp_world_size=2)
     sim.cache.__class__ = Custom
-    decision = plugin.static_decision(sim.cache)
+    decision = plugin.attach(sim.cache).decide(sim.cache)
     assert not decision.pipelined and "overridden" in decision.reason
 
 
@@ -244,9 +244,9 @@ def test_cp_x_tp_pipelines_over_the_spanning_group(make_cache, plugin, monkeypat
         spans.append((cp.name, tp.name))
         return cache.tp_group
 
-    monkeypatch.setattr(plugin, "spanning_group", spanning)
+    monkeypatch.setattr(ack_sync, "spanning_group", spanning)
     sim = make_cache(tp=4, attn_cp_group=FakeGroup(2, "cp"), attn_tp_group=FakeGroup(2, "atp"))
-    decision = plugin.state_of(sim.cache).decide(sim.cache)
+    decision = ack_sync.state_of(sim.cache).decide(sim.cache)
     assert spans == [("cp", "atp")]
     assert decision.pipelined and decision.group is sim.cache.tp_group
     assert decision.reason == "TP group, equal to attn CP(2) x attn TP(2)"

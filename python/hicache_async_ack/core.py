@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Hashable, Protocol, Sequence
+from typing import Callable, Hashable, Mapping, NoReturn, Protocol, Sequence
 
 
 class HiCacheAckSyncError(RuntimeError):
@@ -114,7 +114,7 @@ class PipelinedAckSync:
 
     def issue(
         self,
-        ready: dict[Hashable, Sequence[object]],
+        ready: Mapping[Hashable, Sequence[object]],
         digest: int,
     ) -> None:
         """Start the MIN-reduce of the ready counts (plus ``[digest, -digest]``)."""
@@ -124,7 +124,7 @@ class PipelinedAckSync:
         values = [len(s) for s in snap] + [digest, -digest]
         try:
             handle = self.collective(values)
-        except Exception as exc:  # noqa: BLE001 - re-raised with context
+        except Exception as exc:  # re-raised with context
             self._fail(exc, "issuing")
         self._step += 1
         self._pending.append(_Pending(handle, names, snap, digest, self._step))
@@ -155,7 +155,7 @@ class PipelinedAckSync:
         p = self._pending.popleft()
         try:
             reduced = [int(v) for v in p.handle.wait()]
-        except Exception as exc:  # noqa: BLE001 - re-raised with context
+        except Exception as exc:  # re-raised with context
             self._fail(exc, f"waiting on the reduce issued at step {p.step}")
         if len(reduced) != len(p.names) + 2:
             self._fail(
@@ -164,13 +164,13 @@ class PipelinedAckSync:
             )
         lo, neg_hi = reduced[-2], reduced[-1]
         if not (lo == p.digest == -neg_hi):
-            exc = HiCacheAckSyncError(
+            diverged = HiCacheAckSyncError(
                 "HiCache ack sync: ranks diverged - the write_back duplicate-reclaim "
                 f"digest differs across ranks (this rank {p.digest}, min {lo}, "
                 f"max {-neg_hi}) for the reduce issued at step {p.step}"
             )
-            self._failed = exc
-            raise exc
+            self._failed = diverged
+            raise diverged
         pops: dict[Hashable, int] = {}
         agreed: dict[Hashable, int] = {}
         for name, snap, count in zip(p.names, p.ready, reduced):
@@ -183,7 +183,7 @@ class PipelinedAckSync:
             pops[name] = still_queued(snap[:count], head(name, count)) if count else 0
         return Consumed(pops=pops, agreed=agreed, issued_step=p.step)
 
-    def _fail(self, exc: BaseException, doing: str):
+    def _fail(self, exc: BaseException, doing: str) -> NoReturn:
         self._pending.clear()
         self._failed = exc
         raise HiCacheAckSyncError(

@@ -1,6 +1,6 @@
 """A real SGLang ``UnifiedRadixCache`` around a simulated cache controller.
 
-Used by the test suite and by ``hicache-async-ack bench``. The cache object is
+Test support, used by the test suite and by ``hicache-async-ack bench``. The cache object is
 the real class (built with ``object.__new__``, as SGLang's own unit tests do),
 so ``check_hicache_events``, ``writing_check``, ``loading_check`` and the storage
 drain are upstream's code; only the controller (queues, CUDA events) and the
@@ -19,7 +19,9 @@ import queue
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
+
+from ..ack_sync import STORAGE_QUEUES
 
 
 class UnfinishedAckPopped(AssertionError):
@@ -100,14 +102,6 @@ class _HostPool:
         pass
 
 
-STORAGE_QUEUE_NAMES = (
-    "prefetch_hit_queue",
-    "ack_prefetch_queue",
-    "ack_backup_queue",
-    "host_mem_release_queue",
-)
-
-
 class SimController:
     """Stands in for HiCacheController: ack lists, storage queues, host pool."""
 
@@ -135,7 +129,7 @@ class SimController:
 
     # -- storage lifecycle (attach builds fresh queues, as upstream does)
     def attach_storage(self) -> None:
-        for name in STORAGE_QUEUE_NAMES:
+        for name in STORAGE_QUEUES:
             setattr(self, name, RecordingQueue(name, self.pops))
         self.extra_host_mem_release_queues = {
             p: RecordingQueue(("extra", p), self.pops) for p in self.extra_pools
@@ -173,7 +167,7 @@ class SimController:
         self.ack_write_queue.clear()
         self.ack_load_queue.clear()
         if self.enable_storage:
-            for name in STORAGE_QUEUE_NAMES:
+            for name in STORAGE_QUEUES:
                 getattr(self, name).queue.clear()
             for q in self.extra_host_mem_release_queues.values():
                 q.queue.clear()
@@ -200,7 +194,7 @@ class SimTreeCore:
 class SimCache:
     """The real cache plus the handles the tests and the bench drive it with."""
 
-    cache: object
+    cache: Any  # a real UnifiedRadixCache
     cc: SimController
     tree: SimTreeCore
     acks: dict = field(default_factory=dict)  # uid -> SimEvent

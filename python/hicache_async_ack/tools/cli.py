@@ -6,12 +6,14 @@ import argparse
 import signal
 import sys
 
-from . import __version__
+from .. import __version__
+from . import doctor
+from .bench import driver as bench
+from .options import ToolError
+from .ranks import RanksFailed
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import bench, doctor
-
     parser = argparse.ArgumentParser(
         prog="hicache-async-ack",
         description="SGLang plugin that pipelines the per-step HiCache ack-count "
@@ -29,8 +31,6 @@ def _terminate(signum, frame):
 
 
 def main(argv=None) -> int:
-    from .bench import BenchError
-
     args = build_parser().parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _terminate)  # tear ranks down on SIGTERM too
     try:
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"hicache-async-ack {args.command}: interrupted; ranks killed", file=sys.stderr)
         return 130
-    except BenchError as exc:
+    except (ToolError, RanksFailed) as exc:
         print(f"hicache-async-ack {args.command}: error: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
-from . import __version__
-from .env import (
+from .. import __version__
+from ..env import (
     DEPTH_DEFAULT,
     DEPTH_VAR,
     ENABLE_DEFAULT,
@@ -26,8 +26,9 @@ from .env import (
     parse_bool,
     parse_depth,
     plugin_whitelisted,
-    read_settings,
 )
+from .options import int_in, subcommand
+from .ranks import Job, run_ranks
 
 GROUP = "sglang.srt.plugins"
 DEFAULT_ROUNDS = 200
@@ -46,7 +47,7 @@ class Report:
         self.blockers.append(why)
 
 
-def _allreduce_rank(ctx, cfg: dict) -> dict:
+def allreduce_rank(ctx, cfg: dict) -> dict:
     """Per round: align the ranks with a broadcast (the scheduler's
     recv_requests), time one blocking MIN all_reduce of a small int64 tensor,
     then idle a little, as between scheduler steps."""
@@ -72,17 +73,18 @@ def _allreduce_rank(ctx, cfg: dict) -> dict:
 
 
 def measure_allreduce(tp: int, rounds: int, gap_ms: float = 1.0) -> dict:
-    from .bench import quantile, run_ranks
+    import numpy as np
 
-    res = run_ranks(
-        _allreduce_rank,
-        tp,
-        {"rounds": rounds, "warmup": 20, "gap_ms": gap_ms},
+    job = Job(
+        target=f"{__name__}:allreduce_rank",
+        world_size=tp,
+        payload={"rounds": rounds, "warmup": 20, "gap_ms": gap_ms},
         timeout_s=60.0 + rounds * (gap_ms + 50.0) / 1000.0,
         label="gloo all_reduce measurement",
     )
-    lat = [x for r in res for x in r["lat_ms"]]
-    return {"median": quantile(lat, 0.5), "p90": quantile(lat, 0.9), "n": len(lat)}
+    lat = [x for r in run_ranks(job) if r is not None for x in r["lat_ms"]]
+    median, p90 = np.quantile(lat, (0.5, 0.9))
+    return {"median": float(median), "p90": float(p90), "n": len(lat)}
 
 
 def _entry_point():
@@ -121,7 +123,7 @@ def diagnose(tp: int, step_ms: float, rounds: int) -> Report:
     rep.add("SGLang", sglang_version or "not installed")
     rep.add("torch", torch_version or "not installed")
 
-    from .sglang_plugin import CHECKED_AGAINST, upstream_shape_problems
+    from ..sglang_plugin import CHECKED_AGAINST, upstream_shape_problems
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -147,10 +149,11 @@ def diagnose(tp: int, step_ms: float, rounds: int) -> Report:
         rep.add(PLUGINS_VAR, f"{raw_plugins!r} -> SKIPPED ({ENTRY_POINT_NAME} not listed)")
         rep.block(f"{PLUGINS_VAR}={raw_plugins!r} does not list {ENTRY_POINT_NAME}")
 
-    for var, parse, default in (
+    settings: tuple[tuple[str, Callable[[str, Optional[str], Any], Any], Any], ...] = (
         (ENABLE_VAR, parse_bool, ENABLE_DEFAULT),
         (DEPTH_VAR, parse_depth, DEPTH_DEFAULT),
-    ):
+    )
+    for var, parse, default in settings:
         raw = os.environ.get(var)
         shown = "unset" if raw is None else repr(raw)
         try:
@@ -169,15 +172,11 @@ def diagnose(tp: int, step_ms: float, rounds: int) -> Report:
                 rep.block(f"{ENABLE_VAR}={raw} keeps the blocking path")
         else:
             rep.add(var, f"{shown} -> depth {value}" + (" (default)" if raw in (None, "") else ""))
-    try:
-        read_settings()
-    except ValueError:
-        pass  # already reported per variable
 
     if rounds > 0:
         try:
             m = measure_allreduce(tp, rounds)
-        except Exception as exc:  # noqa: BLE001 - informational only
+        except Exception as exc:  # informational only
             rep.add("gloo all_reduce", f"measurement failed: {exc}")
         else:
             med = m["median"]
@@ -213,39 +212,21 @@ def run(args) -> int:
     return 0
 
 
-def add_parser(sub) -> argparse.ArgumentParser:
-    from .bench import DEFAULT_STEP_MS, DEFAULT_TP, MAX_TP, _int_in, _nonneg_float
+SUMMARY = "check the plugin would be active here; measure this host's gloo latency"
+DESCRIPTION = (
+    "Report versions, SGLang support, entry point, SGLANG_PLUGINS and the plugin's env "
+    "settings, and measure the N-rank gloo all_reduce latency (--tp ranks; --step-ms for "
+    "the predicted penalty). Exits non-zero when the plugin would not be active."
+)
 
-    p = sub.add_parser(
-        "doctor",
-        help="check the plugin would be active here; measure this host's gloo latency",
-        description="Report versions, SGLang support, entry point, SGLANG_PLUGINS and "
-        "the plugin's env settings, and measure the N-rank gloo all_reduce latency. "
-        "Exits non-zero when the plugin would not be active.",
-    )
-    p.add_argument(
-        "--tp",
-        type=_int_in("--tp", 1, MAX_TP),
-        default=DEFAULT_TP,
-        help=f"ranks for the latency measurement (default {DEFAULT_TP})",
-    )
-    p.add_argument(
-        "--step-ms",
-        type=_nonneg_float("--step-ms"),
-        default=DEFAULT_STEP_MS,
-        help=f"step time for the predicted penalty (default {DEFAULT_STEP_MS:g})",
-    )
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = subcommand(sub, "doctor", SUMMARY, DESCRIPTION)
     p.add_argument(
         "--rounds",
-        type=_int_in("--rounds", 0),
+        type=int_in("--rounds", 0),
         default=DEFAULT_ROUNDS,
         help=f"all_reduces to time (default {DEFAULT_ROUNDS}; 0 skips)",
     )
     p.set_defaults(func=run)
     return p
-
-
-if __name__ == "__main__":
-    from .cli import main
-
-    sys.exit(main(["doctor", *sys.argv[1:]]))

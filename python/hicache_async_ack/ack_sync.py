@@ -1,0 +1,336 @@
+"""The pipelined HiCache ack sync on SGLang's UnifiedRadixCache, without hooks.
+
+Everything here speaks SGLang's vocabulary (ack queues, storage control queues,
+the tp / attn CP / attn TP groups) but does not know how it is attached to the
+cache: the plugin calls :func:`pipelined_check_hicache_events` and
+:func:`agreed_ready_counts` from its hooks. Per-cache state lives in the
+cache's ``__dict__`` and is created on first use.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Optional
+
+from .core import Consumed, PipelinedAckSync
+from .env import ENABLE_VAR, Settings, read_settings
+
+logger = logging.getLogger("sglang.srt.mem_cache.hicache_async_ack")
+
+ACK_QUEUES = ("ack_write_queue", "ack_load_queue")
+STORAGE_QUEUES = (  # upstream's tensor order after the two ack counts
+    "prefetch_hit_queue",
+    "ack_prefetch_queue",
+    "ack_backup_queue",
+    "host_mem_release_queue",
+)
+# Instance attributes read per cache (checked when the cache is first seen).
+REQUIRED_CACHE_ATTRS = (
+    "cache_controller",
+    "linker",
+    "host_memory_mode",
+    "pp_size",
+    "tp_group",
+    "tp_world_size",
+    "attn_cp_group",
+    "attn_tp_group",
+    "enable_storage",
+    "tree_core",
+)
+_STATE_ATTR = "_hicache_ack_sync_state"
+
+
+# ------------------------------------------------------------------ eligibility
+@dataclass(frozen=True)
+class Decision:
+    pipelined: bool
+    reason: str
+    group: Any = None
+    world_size: int = 1
+
+
+def world_size(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group=group)
+
+
+def collective_groups(cache) -> list[tuple[str, Any, int]]:
+    """The groups upstream's _all_reduce_attn_groups reduces over, in order."""
+    groups = [
+        (label, g, world_size(g))
+        for label, g in (("attn CP", cache.attn_cp_group), ("attn TP", cache.attn_tp_group))
+        if g is not None and world_size(g) > 1
+    ]
+    if not groups and cache.tp_world_size > 1:
+        groups = [("TP", cache.tp_group, cache.tp_world_size)]
+    return groups
+
+
+def static_decision(cache) -> Decision:
+    """The part of eligibility fixed for the cache's lifetime (its groups)."""
+    missing = [a for a in REQUIRED_CACHE_ATTRS if not hasattr(cache, a)]
+    if missing:
+        return Decision(False, f"this SGLang's cache lacks {', '.join(missing)}")
+    groups = collective_groups(cache)
+    if not groups:
+        return Decision(False, "world size 1: upstream runs no collective, nothing to hide")
+    if len(groups) > 1:
+        names = " x ".join(f"{label}({ws})" for label, _, ws in groups)
+        group = spanning_group(cache, groups[0][1], groups[1][1])
+        if group is None:
+            return Decision(
+                False,
+                f"{names}: two collectives per step and no existing group spans "
+                "exactly their ranks (DP attention?)",
+            )
+        return Decision(True, f"TP group, equal to {names}", group, cache.tp_world_size)
+    label, group, ws = groups[0]
+    return Decision(True, f"one {label} group", group, ws)
+
+
+def spanning_group(cache, cp_group, attn_tp_group):
+    """The existing group over which one MIN equals upstream's MIN over the CP
+    group followed by the MIN over the attn TP group, or None.
+
+    After the two reduces rank r holds the MIN over the union of CP(t) for t in
+    TP(r). One reduce over group G gives the same iff that union is G for every
+    r in G. The candidate is the cache's TP group (it contains both); the check
+    needs every member's CP and TP ranks, so it gathers them once over that group
+    at HiCache init, where every member takes part, and every member reaches the
+    same verdict from the same data. No group is created: with DP attention the
+    union is smaller than the TP group and the cache stays blocking.
+    """
+    import torch.distributed as dist
+
+    tp = cache.tp_group
+    if tp is None or cache.tp_world_size <= 1:
+        return None
+    mine = (
+        dist.get_rank(),
+        sorted(dist.get_process_group_ranks(cp_group)),
+        sorted(dist.get_process_group_ranks(attn_tp_group)),
+    )
+    gathered: list = [None] * cache.tp_world_size
+    dist.all_gather_object(gathered, mine, group=tp)
+    members = set(dist.get_process_group_ranks(tp))
+    cp_of = {rank: set(cp) for rank, cp, _ in gathered}
+    for _, _, tp_ranks in gathered:
+        if not set(tp_ranks) <= cp_of.keys():
+            return None
+        if set().union(*(cp_of[t] for t in tp_ranks)) != members:
+            return None
+    return tp
+
+
+def dynamic_blocker(cache) -> Optional[str]:
+    """Per-step conditions (cheap attribute reads) that force the blocking path."""
+    if cache.cache_controller is None:
+        return "HiCache controller not attached"
+    if cache.linker is not None:
+        return "external cache linker attached"
+    if cache.host_memory_mode != "cache":
+        return f"host memory mode {cache.host_memory_mode!r} (only 'cache' pipelines)"
+    if cache.pp_size != 1:
+        return f"pp_size={cache.pp_size}"
+    cc = cache.cache_controller
+    missing = [a for a in ACK_QUEUES if not hasattr(cc, a)]
+    if missing:
+        return f"this SGLang's cache controller lacks {', '.join(missing)}"
+    return None
+
+
+# ------------------------------------------------------------------- queue views
+def _queue_by_name(cc, name: Hashable):
+    if isinstance(name, tuple):  # ("extra", pool_name)
+        return getattr(cc, "extra_host_mem_release_queues", {}).get(name[1])
+    return getattr(cc, str(name), None)
+
+
+def _queue_head(q, n: int) -> list:
+    if q is None:
+        return []
+    if isinstance(q, list):
+        return q[:n]
+    with q.mutex:  # queue.Queue filled by storage threads
+        return list(itertools.islice(q.queue, n))
+
+
+def ready_entries(cache) -> tuple[dict[Hashable, list], int]:
+    """Entries ready now at the head of each queue, in upstream's tensor order,
+    and the write_back duplicate-reclaim digest."""
+    cc = cache.cache_controller
+    ready: dict[Hashable, list] = {}
+    for ack_queue in ACK_QUEUES:
+        q = getattr(cc, ack_queue)
+        ready[ack_queue] = q[: cache._count_ready_acks(q)]
+    if cache.enable_storage:
+        names: list[Hashable] = list(STORAGE_QUEUES)
+        names += [("extra", p) for p in getattr(cc, "extra_host_mem_release_queues", {})]
+        for name in names:
+            q = _queue_by_name(cc, name)
+            with q.mutex:  # every queued storage entry counts; size and refs at once
+                ready[name] = list(q.queue)
+    return ready, int(cache.tree_core.write_back_duplicate_reclaim_digest)
+
+
+def head_reader(cache) -> Callable[[Hashable, int], list]:
+    cc = cache.cache_controller
+
+    def head(name: Hashable, n: int) -> list:
+        return [] if cc is None else _queue_head(_queue_by_name(cc, name), n)
+
+    return head
+
+
+def upstream_counts(consumed: Optional[Consumed]):
+    """A Consumed as upstream's _sync_hicache_ready_counts return value."""
+    if consumed is None:
+        return 0, 0, (), ()
+    pops = consumed.pops
+    storage = tuple(pops[n] for n in pops if n not in ACK_QUEUES)
+    extra = tuple(n[1] for n in pops if isinstance(n, tuple))
+    return pops["ack_write_queue"], pops["ack_load_queue"], storage, extra
+
+
+def pop_agreed(cache, consumed: Consumed) -> None:
+    """Pop a consumed agreement through upstream's own methods (stand-down path)."""
+    write, load, storage, extra = upstream_counts(consumed)
+    cache.writing_check(finish_count=write)
+    cache.loading_check(finish_count=load)
+    if cache.enable_storage and storage:
+        cache._drain_storage_control_queues_impl(
+            n_storage_hit=storage[0],
+            n_ack_prefetch=storage[1],
+            n_backup=storage[2],
+            n_release=storage[3],
+            extra_release_counts=dict(zip(extra, storage[4:])),
+            log_metrics=True,
+        )
+
+
+# ----------------------------------------------------------------- per-cache state
+def torch_min_all_reduce(group) -> Callable[[list[int]], Any]:
+    import torch
+    import torch.distributed as dist
+
+    class _Handle:
+        __slots__ = ("work", "tensor")
+
+        def __init__(self, values):
+            self.tensor = torch.tensor(values, dtype=torch.int64)
+            self.work = dist.all_reduce(
+                self.tensor, op=dist.ReduceOp.MIN, group=group, async_op=True
+            )
+
+        def wait(self):
+            self.work.wait()
+            return self.tensor.tolist()
+
+    return _Handle
+
+
+# group -> Collective; tests and the bench swap in their own collective here.
+collective_factory: Callable[[Any], Callable[[list[int]], Any]] = torch_min_all_reduce
+
+
+class CacheState:
+    """What is kept per UnifiedRadixCache.
+
+    ``blocker``, when given, keeps this cache on the blocking path for its
+    lifetime (the caller knows why, e.g. its hooks are not in place); ``tag``
+    ends the log line (who pipelines: the plugin and its version)."""
+
+    def __init__(self, cache, settings: Settings, blocker: Optional[str] = None, tag: str = ""):
+        self.settings = settings
+        self.tag = tag
+        self.static = Decision(False, blocker) if blocker else static_decision(cache)
+        self.sync = (
+            PipelinedAckSync(collective_factory(self.static.group), settings.depth)
+            if self.static.pipelined
+            else None
+        )
+        self.in_pipelined_step = False
+        self.due: Optional[Consumed] = None
+        self._announced: Optional[tuple] = None
+
+    def decide(self, cache) -> Decision:
+        if not self.settings.enabled:
+            return Decision(False, f"{ENABLE_VAR}=0")
+        if not self.static.pipelined:
+            return self.static
+        blocker = dynamic_blocker(cache)
+        if blocker:
+            return Decision(False, blocker)
+        return self.static
+
+    def announce(self, decision: Decision) -> None:
+        """One line per rank (and one more on each change of path). Called every
+        step, so it compares before it formats."""
+        key = (decision.pipelined, decision.reason)
+        if key == self._announced:
+            return
+        self._announced = key
+        tag = f"; {self.tag}" if self.tag else ""
+        line = (
+            f"HiCache ack sync: pipelined over the {decision.reason} "
+            f"(world size {decision.world_size}, depth {self.settings.depth}{tag})"
+            if decision.pipelined
+            else f"HiCache ack sync: blocking (upstream path) because {decision.reason}"
+            + (f" ({self.tag})" if self.tag else "")
+        )
+        logger.info(line)
+
+
+def state_of(cache) -> Optional[CacheState]:
+    return cache.__dict__.get(_STATE_ATTR)
+
+
+def attach_state(cache, blocker: Optional[str] = None, tag: str = "") -> CacheState:
+    state = CacheState(cache, read_settings(), blocker, tag)
+    cache.__dict__[_STATE_ATTR] = state
+    return state
+
+
+# ----------------------------------------------------------------- the step
+def pipelined_check_hicache_events(state: CacheState, cache, original, *args, **kwargs):
+    """One scheduler step: consume the due reduce, run upstream's
+    check_hicache_events with the agreed counts, then issue the next reduce.
+
+    Numbered as in docs/design.md: 2 (consume) and 5 (issue) are ours; 1, 3 and
+    4 are upstream's code: it reaps PP work, flushes backups, calls
+    _sync_hicache_ready_counts (answered by :func:`agreed_ready_counts`), pops
+    through writing_check / loading_check / the storage drain and flushes
+    buffers."""
+    decision = state.decide(cache)
+    state.announce(decision)
+    sync = state.sync
+    if not decision.pipelined:
+        if sync is not None and sync.pending:
+            # Consume what is in flight first so every rank leaves the pipelined
+            # path with the same pops; the blocking path then syncs the rest.
+            sync.drain(head_reader(cache), lambda c: pop_agreed(cache, c))
+        return original(cache, *args, **kwargs)
+    assert sync is not None  # a pipelined decision always has a sync
+    state.due = sync.consume_due(head_reader(cache))
+    state.in_pipelined_step = True
+    try:
+        result = original(cache, *args, **kwargs)
+    finally:
+        state.in_pipelined_step = False
+        state.due = None
+    # Step 5, after the pops: count what is ready now and put it in flight.
+    ready, digest = ready_entries(cache)
+    sync.issue(ready, digest)
+    return result
+
+
+def agreed_ready_counts(state: Optional[CacheState], cache, original, *args, **kwargs):
+    """_sync_hicache_ready_counts: inside a pipelined step, the agreement
+    consumed at the top of the step instead of the blocking all_reduce;
+    anywhere else, upstream's."""
+    if state is None or not state.in_pipelined_step:
+        return original(cache, *args, **kwargs)
+    return upstream_counts(state.due)

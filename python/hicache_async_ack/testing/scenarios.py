@@ -1,0 +1,205 @@
+"""Seeded scenarios for one rank: traffic, lifecycle events, and what was popped.
+
+A scenario ``spec`` (a JSON-able dict) names a seed, a step count, the traffic
+and the lifecycle events; :class:`RankDriver` plays it on one rank's real
+UnifiedRadixCache, over real process groups (:func:`run_specs`, a rank target
+for :mod:`hicache_async_ack.tools.ranks`) or over a :class:`MinHub` in one
+process (the many-rank simulation in the tests).
+
+Spec keys: name, seed, steps, env (plugin settings for this scenario),
+max_delay / skew (when acks finish, in steps), storage, extra_pools, event_p /
+events (lifecycle events, chosen by the shared generator), cp_x_tp ("grid": the
+SGLang layout, "odd": one no group spans), drain_steps, and the faults
+diverge_at / die_at / stall_at (+ stall_s) / expect_error.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+from ..ack_sync import state_of
+from ..env import DEPTH_VAR, ENABLE_VAR
+from ..sglang_plugin import after_init_hicache
+from .sim_cache import build_cache
+from .traffic import StepClock, Traffic, TrafficSpec
+
+EVENTS = (
+    "write_back_flush",
+    "reset",
+    "detach",
+    "attach",
+    "loading_check",
+    "drain_storage",
+    "release_host_resources",
+)
+# Events that run upstream's own blocking all_reduce: every rank must be inside
+# them at once (threads in the in-process simulation).
+COLLECTIVE_EVENTS = ("loading_check", "drain_storage")
+STORAGE_ONLY_EVENTS = ("detach", "attach", "drain_storage")
+# detach drains the storage queues locally, best-effort, by upstream's design
+# (drain_storage_control_queues_local): those pops may differ across ranks.
+LOCAL_DRAIN_EVENTS = ("detach",)
+ACK_KINDS = ("write", "load")
+SETTINGS_VARS = (ENABLE_VAR, DEPTH_VAR)
+
+
+class RankDriver:
+    def __init__(self, spec: dict, rank: int, world: int, groups: dict):
+        for k in SETTINGS_VARS:
+            os.environ.pop(k, None)
+        os.environ.update(spec.get("env", {}))
+        self.spec = spec
+        self.rank = rank
+        self.world = world
+        self.storage = spec.get("storage", False)
+        topology = {}
+        if spec.get("cp_x_tp"):  # attention CP x attention TP inside the TP group
+            cp = groups["odd_cp" if spec["cp_x_tp"] == "odd" else "attn_cp_group"]
+            topology = dict(attn_cp_group=cp, attn_tp_group=groups["attn_tp_group"])
+        self.sim = build_cache(
+            tp_group=groups["tp"],
+            tp_world_size=world,
+            storage=self.storage,
+            extra_pools=tuple(spec.get("extra_pools", ())),
+            **topology,
+        )
+        after_init_hicache(None, self.sim.cache)  # as init_hicache would
+        state = state_of(self.sim.cache)
+        assert state is not None
+        self.state = state
+        self.max_delay = spec.get("max_delay", 3)
+        clock = StepClock(self.max_delay, rank if spec.get("skew") else 0)
+        self.traffic = Traffic(self.sim, TrafficSpec(), spec["seed"], rank, clock)
+        self.event_p = spec.get("event_p", 0.0)
+        names = spec.get("events", EVENTS)
+        self.events = tuple(e for e in names if self.storage or e not in STORAGE_ONLY_EVENTS)
+        self.event_counts: dict[str, int] = {}
+
+    @property
+    def total_steps(self) -> int:
+        return self.spec["steps"] + self.spec.get("drain_steps", self.max_delay + 12)
+
+    def step_traffic(self, step: int) -> None:
+        """Faults due at this step, then this step's traffic (before the event)."""
+        spec, last = self.spec, self.world - 1
+        if spec.get("diverge_at") == step and self.rank == 1:
+            self.sim.tree.write_back_duplicate_reclaim_digest += 1
+        if spec.get("die_at") == step and self.rank == last:
+            os._exit(17)  # a rank dies mid-run, no goodbye
+        if spec.get("stall_at") == step and self.rank == last:
+            time.sleep(spec["stall_s"])  # stops stepping: peers' waits time out
+            os._exit(18)
+        self.traffic.enqueue(step, new_work=step < spec["steps"])
+
+    def pick_event(self, step: int):
+        sched = self.traffic.sched
+        if step < self.spec["steps"] and self.event_p and sched.random() < self.event_p:
+            return sched.choice(self.events)
+        return None
+
+    def run_event(self, ev: str) -> None:
+        sim = self.sim
+        self.event_counts[ev] = self.event_counts.get(ev, 0) + 1
+        storage_on = sim.cc.enable_storage
+        if ev == "write_back_flush":
+            sim.write_back_flush()
+        elif ev == "reset":
+            sim.reset()
+            self.traffic.forget_storage()
+        elif ev == "detach" and storage_on:
+            sim.detach_storage()
+            self.traffic.forget_storage()
+        elif ev == "attach" and self.storage and not storage_on:
+            sim.attach_storage()
+            self.traffic.forget_storage()
+        elif ev == "loading_check":
+            sim.cache.loading_check()  # upstream's own blocking reduce
+        elif ev == "drain_storage" and storage_on:
+            sim.cache.drain_storage_control_queues()
+        elif ev == "release_host_resources":
+            sim.cache.release_host_resources()
+            sim.cache.shutdown()
+
+    def left(self) -> dict:
+        cc = self.sim.cc
+        left = {
+            "write": len(cc.ack_write_queue) + len(cc.pending_writes),
+            "load": len(cc.ack_load_queue),
+            "ongoing_write": len(self.sim.cache.ongoing_write_through),
+            "ongoing_load": len(self.sim.cache.ongoing_load_back),
+        }
+        if cc.enable_storage:
+            for name in self.traffic.storage_names():
+                left[str(name)] = cc.storage_queue(name).qsize()
+        return left
+
+    def summary(self, per_step: list) -> dict:
+        decision = self.state.decide(self.sim.cache)
+        return {
+            "pops": per_step,
+            "violations": self.sim.cc.violations,
+            "left": self.left(),
+            "pending": self.state.sync.pending if self.state.sync else 0,
+            "pipelined": decision.pipelined,
+            "reason": decision.reason,
+            "counts": {"enqueued": self.traffic.enqueued, "events": self.event_counts},
+        }
+
+
+def run_scenario(spec: dict, rank: int, world: int, groups: dict) -> dict:
+    """All steps of one scenario on one rank of real process groups."""
+    d = RankDriver(spec, rank, world, groups)
+    per_step = []
+    for step in range(d.total_steps):
+        d.step_traffic(step)
+        ev = d.pick_event(step)
+        if ev:
+            d.run_event(ev)
+        pre = d.sim.take_pops()  # popped by the lifecycle path itself
+        d.sim.cache.check_hicache_events()
+        per_step.append([pre, d.sim.take_pops()])
+    out = d.summary(per_step)
+    out["steps_run"] = len(per_step)
+    return out
+
+
+def run_specs(ctx, payload: dict) -> dict:
+    """Rank target: SGLang's real load_plugins() (what run_scheduler_process
+    does first), the groups of ``payload["layout"]``, then every scenario of
+    ``payload["specs"]`` in order. A failing scenario is recorded (with its
+    traceback) and, unless it expected the error, skips the rest."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from sglang.srt.plugins import load_plugins
+
+    from .layout import create_groups
+
+    load_plugins()
+    timeout = payload.get("group_timeout_s", 60.0)
+    groups = {
+        "tp": dist.new_group(
+            list(range(ctx.world_size)), backend="gloo", timeout=timedelta(seconds=timeout)
+        )
+    }
+    groups.update(create_groups(ctx.rank, payload.get("layout", {}), timeout))
+    results: dict[str, dict] = {}
+    broken = False
+    for spec in payload["specs"]:
+        if broken:
+            results[spec["name"]] = {"error": "skipped after an earlier failure"}
+            continue
+        t0 = time.monotonic()
+        try:
+            results[spec["name"]] = run_scenario(spec, ctx.rank, ctx.world_size, groups)
+        except Exception as exc:  # reported to the test
+            results[spec["name"]] = {
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
+            broken = not spec.get("expect_error")
+        results[spec["name"]]["seconds"] = time.monotonic() - t0
+        ctx.report(len(results))
+    return results
