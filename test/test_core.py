@@ -7,8 +7,14 @@ import sys
 
 import pytest
 
-from hicache_async_ack import env
-from hicache_async_ack.core import HiCacheAckSyncError, PipelinedAckSync, still_queued
+from hicache_async_ack import core, env
+from hicache_async_ack.core import (
+    PROTOCOL_VERSION,
+    HiCacheAckSyncError,
+    PipelinedAckSync,
+    Stamp,
+    still_queued,
+)
 from hicache_async_ack.testing.collectives import MinHub
 
 
@@ -62,13 +68,18 @@ def test_consume_waits_only_when_depth_reached():
     assert sync.pending == 2
 
 
+def slot(digest=0, depth=1, protocol=PROTOCOL_VERSION, auto=False, obs=0):
+    x = Stamp(protocol, auto, depth, digest, obs).pack()
+    return [x, -x]
+
+
 def test_pop_count_is_the_peer_min_still_queued():
     hub = MinHub()
     sync = PipelinedAckSync(hub.collective(), depth=1)
     q = [Ref() for _ in range(4)]
     sync.issue({"w": q[:4], "l": []}, digest=3)
-    assert hub.issued == [[4, 0, 3, -3]]
-    hub.peer = lambda values: [2, 0, 3, -3]
+    assert hub.issued == [[4, 0, *slot(digest=3)]]
+    hub.peer = lambda values: [2, 0, *slot(digest=3)]
     del q[0]  # a write-back flush took the first one meanwhile
     got = sync.consume_due(lambda name, n: q[:n] if name == "w" else [])
     assert got.agreed == {"w": 2, "l": 0}
@@ -79,28 +90,95 @@ def test_digest_divergence_and_failure_are_sticky():
     hub = MinHub()
     sync = PipelinedAckSync(hub.collective())
     sync.issue({"w": []}, digest=5)
-    hub.peer = lambda values: [0, 4, -5]
+    hub.peer = lambda values: [0, *slot(digest=4)]
     with pytest.raises(HiCacheAckSyncError, match="ranks diverged"):
         sync.consume_due(lambda n, k: [])
     with pytest.raises(HiCacheAckSyncError, match="will not retry"):
         sync.issue({"w": []}, digest=5)
 
 
-def test_drain_applies_each_before_reconciling_the_next():
+def test_drain_reconciles_each_after_the_previous_pops():
     hub = MinHub()
     sync = PipelinedAckSync(hub.collective(), depth=2)
     q = [Ref() for _ in range(3)]
     sync.issue({"w": q[:2]}, 0)
     sync.issue({"w": q[:3]}, 0)  # overlaps the first: q[0], q[1] in both
-    popped = []
+    got = sync.drain(lambda name, n: q[:n])
+    assert got.pops == {"w": 3} and got.reduces == 2  # each entry once
+    assert sync.pending == 0
 
-    def apply(c):
-        n = c.pops["w"]
-        popped.append(n)
-        del q[:n]
 
-    assert sync.drain(lambda name, n: q[:n], apply) == 2
-    assert popped == [2, 1] and q == []
+# ---------------------------------------------------------------- the stamp
+@pytest.mark.parametrize(
+    "stamp",
+    [
+        Stamp(1, False, 1, 0),
+        Stamp(15, True, 8, (1 << 42) - 1, (1 << 12) - 1),
+        Stamp(PROTOCOL_VERSION, True, 3, 123456789, 7),
+    ],
+)
+def test_stamp_round_trips_and_fits_an_int64(stamp):
+    x = stamp.pack()
+    assert Stamp.unpack(x) == stamp
+    assert core.STOCK_LIMIT <= x < 2**63 and -(2**63) <= -x
+
+
+def test_stamp_orders_agreed_fields_above_the_observation():
+    """MIN/MAX of packed stamps compare the agreed fields first, so ranks that
+    agree differ only in the observation and its max rides along."""
+    a = Stamp(1, False, 2, 5, obs=4095).pack()
+    b = Stamp(1, False, 3, 5, obs=0).pack()
+    assert a < b
+    assert Stamp(2, False, 1, 0).pack() > Stamp(1, True, 15, 2**42 - 1, 4095).pack()
+
+
+def test_any_stamp_is_above_any_stock_digest():
+    """A stock rank sends [digest, -digest] with digest < 2**42: the MIN pairs
+    its digest with our -x, so upstream's own digest check fails there."""
+    assert Stamp(1, False, 1, 0).pack() > (1 << 42) - 1
+
+
+def _mismatch(peer_slot, depth=1, auto=False):
+    hub = MinHub(peer=lambda values: [1, *peer_slot])
+    hints = {"depth": "Set THE_DEPTH_VAR identically.", "stock": "STOCK HINT"}
+    sync = PipelinedAckSync(hub.collective(), depth=depth, auto=auto, hints=hints)
+    q = [Ref()]
+    for _ in range(depth):
+        sync.issue({"w": q}, digest=9)
+    with pytest.raises(HiCacheAckSyncError) as err:
+        sync.consume_due(lambda name, n: q[:n])
+    assert sync.pending == 0 and sync.failed is err.value
+    return str(err.value)
+
+
+def test_other_depth_on_a_peer_names_the_values_and_the_variable():
+    msg = _mismatch(slot(digest=9, depth=2), depth=1)
+    assert "the lag depth differs across the group: this rank 1, group min 1, max 2" in msg
+    assert "Set THE_DEPTH_VAR identically." in msg and "Nothing was popped" in msg
+
+
+def test_other_protocol_on_a_peer_is_named_first():
+    msg = _mismatch(slot(digest=3, depth=2, protocol=PROTOCOL_VERSION + 1))
+    assert "protocol version differs" in msg
+    assert f"this rank {PROTOCOL_VERSION}, group min {PROTOCOL_VERSION}" in msg
+
+
+def test_auto_against_fixed_depth_is_a_mismatch():
+    assert "depth mode (1 = auto) differs" in _mismatch(slot(digest=9, auto=True))
+
+
+def test_stock_peer_is_named_with_the_hint():
+    msg = _mismatch([9, -9])  # upstream's blocking path: [digest, -digest]
+    assert "ran SGLang's blocking ack sync" in msg and "STOCK HINT" in msg
+
+
+def test_observation_differences_are_not_a_mismatch():
+    hub = MinHub(peer=lambda values: [1, *slot(digest=9, obs=77)])
+    sync = PipelinedAckSync(hub.collective())
+    q = [Ref()]
+    sync.issue({"w": q}, digest=9)
+    got = sync.consume_due(lambda name, n: q[:n])
+    assert got.pops == {"w": 1} and got.obs_max == 77
 
 
 def test_depth_must_be_positive():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hicache_async_ack import ack_sync
-from hicache_async_ack.core import HiCacheAckSyncError
+from hicache_async_ack.core import PROTOCOL_VERSION, HiCacheAckSyncError, Stamp
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR
 from hicache_async_ack.testing.collectives import FakeGroup
 
@@ -18,12 +18,18 @@ def acks(sim, kind, n, done=DONE):
     return [sim.add_ack(kind, done) for _ in range(n)]
 
 
+def stamp_slot(depth=1, digest=0):
+    """The [x, -x] this release sends: its protocol, depth and the digest."""
+    x = Stamp(PROTOCOL_VERSION, False, depth, digest).pack()
+    return [x, -x]
+
+
 def test_first_step_issues_one_reduce_and_pops_nothing(make_cache, hub):
     sim = make_cache(tp=2)
     acks(sim, "write", 2)
     sim.cache.check_hicache_events()
     assert sim.take_pops() == []
-    assert hub.issued == [[2, 0, 0, 0]]
+    assert hub.issued == [[2, 0, *stamp_slot()]]
     assert all(not h.waited for h in hub.handles)
 
 
@@ -81,7 +87,7 @@ def test_never_pops_an_unfinished_ack(make_cache, hub):
 def test_digest_mismatch_raises_ranks_diverged(make_cache, hub):
     sim = make_cache(tp=2)
     sim.tree.write_back_duplicate_reclaim_digest = 7
-    hub.peer = lambda v: v[:-2] + [5, -9]
+    hub.peer = lambda v: v[:-2] + stamp_slot(digest=5)
     sim.cache.check_hicache_events()
     with pytest.raises(HiCacheAckSyncError, match="ranks diverged"):
         sim.cache.check_hicache_events()
@@ -109,7 +115,7 @@ def test_storage_counts_use_upstream_layout_and_drain(make_cache, hub):
     e_ext = sim.cc.put_storage(("extra", "mamba"))
     w = acks(sim, "write", 1)
     sim.cache.check_hicache_events()
-    assert hub.issued[0] == [1, 0, 1, 0, 2, 1, 1, 0, 0]
+    assert hub.issued[0] == [1, 0, 1, 0, 2, 1, 1, *stamp_slot()]
     # the peer has one backup ack fewer
     sim.cc.put_storage("ack_backup_queue")
     hub.peer = lambda v: [v[0], v[1], v[2], v[3], v[4] - 1] + v[5:]
@@ -250,3 +256,31 @@ def test_cp_x_tp_pipelines_over_the_spanning_group(make_cache, plugin, monkeypat
     assert spans == [("cp", "atp")]
     assert decision.pipelined and decision.group is sim.cache.tp_group
     assert decision.reason == "TP group, equal to attn CP(2) x attn TP(2)"
+
+
+def test_second_sync_in_one_step_raises_before_popping_again(make_cache, hub):
+    """An upstream that asked for the ready counts twice per step would pop the
+    same agreement twice; the second call raises instead, before any pop."""
+    sim = make_cache(tp=2)
+    w = acks(sim, "write", 2)
+    sim.cache.check_hicache_events()  # issues [2, 0]
+    acks(sim, "write", 2)  # ready, but not agreed on by anyone yet
+
+    def asks_twice(cache):
+        write, load, storage, extra = cache._sync_hicache_ready_counts()
+        cache.writing_check(finish_count=write)
+        write, load, storage, extra = cache._sync_hicache_ready_counts()
+        cache.writing_check(finish_count=write)
+
+    state = ack_sync.state_of(sim.cache)
+    with pytest.raises(HiCacheAckSyncError, match="called twice in one check_hicache_events"):
+        ack_sync.pipelined_check_hicache_events(state, sim.cache, asks_twice)
+    assert sim.take_pops() == [("write", u) for u in w]  # the agreed two, once
+
+
+def test_once_per_step_resets_every_step(make_cache, hub):
+    sim = make_cache(tp=2)
+    w = acks(sim, "write", 1)
+    for _ in range(3):
+        sim.cache.check_hicache_events()
+    assert sim.take_pops() == [("write", w[0])]

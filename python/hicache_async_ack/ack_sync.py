@@ -14,8 +14,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional
 
-from .core import Consumed, PipelinedAckSync
-from .env import ENABLE_VAR, Settings, read_settings
+from .core import Consumed, HiCacheAckSyncError, PipelinedAckSync
+from .env import DEPTH_VAR, ENABLE_VAR, PLUGINS_VAR, Settings, read_settings
 
 logger = logging.getLogger("sglang.srt.mem_cache.hicache_async_ack")
 
@@ -40,6 +40,18 @@ REQUIRED_CACHE_ATTRS = (
     "tree_core",
 )
 _STATE_ATTR = "_hicache_ack_sync_state"
+# What an operator should do when the ranks of a group disagree (core.Stamp fields).
+MISMATCH_HINTS = {
+    "depth": f"Set {DEPTH_VAR} identically on every node of the TP group.",
+    "auto": f"Set {DEPTH_VAR} identically on every node of the TP group.",
+    "protocol": "Run the same version of the pipelined HiCache ack sync on every node.",
+    "stock": (
+        "that rank does not pipeline: the pipelined ack sync is not installed or not "
+        f"loaded there (e.g. {PLUGINS_VAR} excludes it), {ENABLE_VAR}=0 is set there, or "
+        "its cache is not eligible (its log line says why). Give every node of the TP "
+        "group the same install and the same settings."
+    ),
+}
 
 
 # ------------------------------------------------------------------ eligibility
@@ -229,6 +241,9 @@ def torch_min_all_reduce(group) -> Callable[[list[int]], Any]:
             self.work.wait()
             return self.tensor.tolist()
 
+        def is_completed(self):
+            return self.work.is_completed()
+
     return _Handle
 
 
@@ -248,12 +263,15 @@ class CacheState:
         self.tag = tag
         self.static = Decision(False, blocker) if blocker else static_decision(cache)
         self.sync = (
-            PipelinedAckSync(collective_factory(self.static.group), settings.depth)
+            PipelinedAckSync(
+                collective_factory(self.static.group), settings.depth, hints=MISMATCH_HINTS
+            )
             if self.static.pipelined
             else None
         )
         self.in_pipelined_step = False
         self.due: Optional[Consumed] = None
+        self.due_taken = False  # upstream asked for this step's counts already
         self._announced: Optional[tuple] = None
 
     def decide(self, cache) -> Decision:
@@ -311,10 +329,13 @@ def pipelined_check_hicache_events(state: CacheState, cache, original, *args, **
         if sync is not None and sync.pending:
             # Consume what is in flight first so every rank leaves the pipelined
             # path with the same pops; the blocking path then syncs the rest.
-            sync.drain(head_reader(cache), lambda c: pop_agreed(cache, c))
+            drained = sync.drain(head_reader(cache))
+            if drained is not None:
+                pop_agreed(cache, drained)
         return original(cache, *args, **kwargs)
     assert sync is not None  # a pipelined decision always has a sync
     state.due = sync.consume_due(head_reader(cache))
+    state.due_taken = False
     state.in_pipelined_step = True
     try:
         result = original(cache, *args, **kwargs)
@@ -333,4 +354,14 @@ def agreed_ready_counts(state: Optional[CacheState], cache, original, *args, **k
     anywhere else, upstream's."""
     if state is None or not state.in_pipelined_step:
         return original(cache, *args, **kwargs)
+    if state.due_taken:
+        # Handing out the same agreement twice would pop twice as many entries
+        # as the group agreed on. Stop before upstream pops anything more.
+        raise HiCacheAckSyncError(
+            "HiCache ack sync: _sync_hicache_ready_counts was called twice in one "
+            "check_hicache_events step; the pipelined step hands out one agreement "
+            "per step. Nothing more was popped; this SGLang's check_hicache_events "
+            "does not match what the ack sync was written for."
+        )
+    state.due_taken = True
     return upstream_counts(state.due)

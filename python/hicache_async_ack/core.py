@@ -1,10 +1,10 @@
 """Engine-agnostic core: the pipelined MIN-reduce of HiCache ready counts.
 
-No SGLang import here. The adapter hands in, per scheduler step, the entries that
-are ready at the head of each queue (acks whose finish_event has fired, storage
-control entries) and a collective that MIN-reduces a list of ints across the
-ranks; this module keeps the reduces in flight and turns an agreed count back
-into "how many to pop now".
+No SGLang or torch import here. The caller hands in, per scheduler step, the
+entries that are ready at the head of each queue (acks whose finish_event has
+fired, storage control entries) and a collective that MIN-reduces a list of
+ints across the ranks; this module keeps the reduces in flight and turns an
+agreed count back into "how many to pop now".
 
 Agreement by identity. A reduce agrees on a count c per queue: the first c
 entries that were ready on every rank when the reduce was issued. Instead of
@@ -15,6 +15,16 @@ entries in between (reset, write-back flush, storage drain, a blocking
 loading_check) removed them from the head (the queues are FIFO), so the entries
 it took are exactly a prefix of ours and are skipped by construction. All those
 paths run symmetrically on every rank, so every rank pops the same entries.
+
+Agreement on the protocol itself. The last two values of every reduce are
+``[x, -x]`` (upstream carries its reclaim digest there): MIN gives the group's
+min and max of x. Here x is a :class:`Stamp` that packs, most significant
+first, the protocol version, the depth mode and depth, the digest and one
+per-rank observation. Whatever must be equal on all ranks sits above the
+observation, so min and max of x differ there exactly when some rank differs;
+the observation's max then rides along for free. A stamp is always >= 2**58,
+above any digest upstream's blocking path sends (< 2**42), so a rank running
+that path on the same reduce fails upstream's own digest check, and we name it.
 docs/design.md has the full argument.
 """
 
@@ -22,17 +32,35 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Hashable, Mapping, NoReturn, Protocol, Sequence
+from typing import Callable, Hashable, Mapping, NoReturn, Optional, Protocol, Sequence
+
+# The wire protocol of the pipelined reduce: bump it whenever what a reduce
+# means changes (its layout, the stamp, when it is consumed). Its place at the
+# top of the stamp never moves, so any two versions can tell they differ.
+PROTOCOL_VERSION = 1
+
+OBS_BITS = 12  # the per-rank observation (auto depth's wait signal)
+DIGEST_BITS = 42  # upstream's reclaim digest is masked to 42 bits
+DEPTH_BITS = 4
+AUTO_BITS = 1
+PROTOCOL_BITS = 4  # 4 + 1 + 4 + 42 + 12 = 63: x and -x fit an int64
+OBS_MAX = (1 << OBS_BITS) - 1
+DEPTH_LIMIT = (1 << DEPTH_BITS) - 1
+STOCK_LIMIT = 1 << DIGEST_BITS  # upstream's own [digest, -digest] stays below this
 
 
 class HiCacheAckSyncError(RuntimeError):
     """The HiCache ack sync cannot continue on this rank (peer died, timeout,
-    divergence). Never retried: a retry would desynchronise the collectives."""
+    divergence, ranks that disagree). Never retried: a retry would
+    desynchronise the collectives."""
 
 
 class Handle(Protocol):
     def wait(self) -> Sequence[int]:
         """Block until the MIN-reduce is complete; return the reduced values."""
+
+    def is_completed(self) -> bool:
+        """Whether wait() would return at once."""
 
 
 # values -> Handle. Must be issued by every rank in the same order.
@@ -40,21 +68,80 @@ Collective = Callable[[list[int]], Handle]
 
 
 @dataclass(frozen=True)
+class Stamp:
+    """What rides in the ``[x, -x]`` slot of every reduce."""
+
+    protocol: int
+    auto: bool
+    depth: int
+    digest: int
+    obs: int = 0
+
+    # the fields every rank must share, most significant first
+    AGREED = ("protocol", "auto", "depth", "digest")
+
+    def pack(self) -> int:
+        x = self.protocol
+        x = (x << AUTO_BITS) | int(self.auto)
+        x = (x << DEPTH_BITS) | self.depth
+        x = (x << DIGEST_BITS) | (self.digest % STOCK_LIMIT)
+        return (x << OBS_BITS) | min(max(self.obs, 0), OBS_MAX)
+
+    @classmethod
+    def unpack(cls, x: int) -> Stamp:
+        obs, x = x & OBS_MAX, x >> OBS_BITS
+        digest, x = x & (STOCK_LIMIT - 1), x >> DIGEST_BITS
+        depth, x = x & DEPTH_LIMIT, x >> DEPTH_BITS
+        auto, x = bool(x & 1), x >> AUTO_BITS
+        return cls(protocol=x, auto=auto, depth=depth, digest=digest, obs=obs)
+
+    def agreed(self) -> tuple:
+        return (self.protocol, self.auto, self.depth, self.digest)
+
+
+def describe_mismatch(mine: Stamp, lo: Stamp, hi: Stamp, hints: Mapping[str, str]) -> str:
+    """Why the group's stamps differ, for the operator: the most significant
+    field that differs between the group's min and max (exact min and max for
+    that field), this rank's value, and what to set."""
+    if lo.protocol == 0:
+        return (
+            "a peer rank ran SGLang's blocking ack sync on this reduce (it sent a bare "
+            f"digest, {lo.digest}, not a stamp): {hints.get('stock', 'it does not pipeline')}"
+        )
+    for name in Stamp.AGREED:
+        a, b, me = getattr(lo, name), getattr(hi, name), getattr(mine, name)
+        if a != b:
+            what = {
+                "protocol": "the pipelined ack-sync protocol version",
+                "auto": "the lag depth mode (1 = auto)",
+                "depth": "the lag depth",
+                "digest": "the write_back duplicate-reclaim digest (ranks diverged)",
+            }[name]
+            return (
+                f"{what} differs across the group: this rank {int(me)}, group min "
+                f"{int(a)}, max {int(b)}. {hints.get(name, '')}".rstrip()
+            )
+    raise AssertionError("stamps agree")  # pragma: no cover - callers check first
+
+
+@dataclass(frozen=True)
 class _Pending:
     handle: Handle
     names: tuple[Hashable, ...]  # queue names, in tensor order
     ready: tuple[tuple[object, ...], ...]  # entries ready at issue, per queue
-    digest: int
+    stamp: Stamp
     step: int
 
 
 @dataclass(frozen=True)
 class Consumed:
-    """Result of consuming one reduce: what to pop now, per queue name."""
+    """Result of consuming the due reduce(s): what to pop now, per queue name."""
 
     pops: dict[Hashable, int]
     agreed: dict[Hashable, int]
     issued_step: int
+    reduces: int = 1  # more than one when the depth was lowered this step
+    obs_max: int = 0  # the group's max observation (of the newest one consumed)
 
 
 def still_queued(agreed: Sequence[object], head: Sequence[object]) -> int:
@@ -87,23 +174,37 @@ class PipelinedAckSync:
     ``depth`` steps ago, if any) then, after popping, :meth:`issue`. Both ranks
     and steps are symmetric: every rank waits on the same reduce in the same
     step, decided by the step count alone, never by ``is_completed()``.
+
+    ``hints`` completes a mismatch error with what the operator should do, per
+    stamp field ("depth", "auto", "protocol", "digest", and "stock": a peer that
+    ran the blocking path).
     """
 
-    def __init__(self, collective: Collective, depth: int = 1):
-        if depth < 1:
-            raise ValueError(f"depth must be >= 1, got {depth}")
+    def __init__(
+        self,
+        collective: Collective,
+        depth: int = 1,
+        *,
+        auto: bool = False,
+        hints: Optional[Mapping[str, str]] = None,
+    ):
+        if not 1 <= depth <= DEPTH_LIMIT:
+            raise ValueError(f"depth must be from 1 to {DEPTH_LIMIT}, got {depth}")
         self.collective = collective
         self.depth = depth
+        self.auto = auto
+        self.hints = dict(hints or {})
         self._pending: deque[_Pending] = deque()
-        self._failed: BaseException | None = None
+        self._failed: Optional[BaseException] = None
         self._step = 0
+        self._obs = 0  # this rank's observation, sent with the next issue
 
     @property
     def pending(self) -> int:
         return len(self._pending)
 
     @property
-    def failed(self) -> BaseException | None:
+    def failed(self) -> Optional[BaseException]:
         return self._failed
 
     def _check_usable(self) -> None:
@@ -112,76 +213,93 @@ class PipelinedAckSync:
                 f"HiCache ack sync already failed on this rank and will not retry: {self._failed}"
             ) from self._failed
 
-    def issue(
-        self,
-        ready: Mapping[Hashable, Sequence[object]],
-        digest: int,
-    ) -> None:
-        """Start the MIN-reduce of the ready counts (plus ``[digest, -digest]``)."""
+    def stamp(self, digest: int) -> Stamp:
+        return Stamp(PROTOCOL_VERSION, self.auto, self.depth, digest, self._obs)
+
+    def issue(self, ready: Mapping[Hashable, Sequence[object]], digest: int) -> None:
+        """Start the MIN-reduce of the ready counts (plus the stamp as ``[x, -x]``)."""
         self._check_usable()
         names = tuple(ready)
         snap = tuple(tuple(ready[n]) for n in names)
-        values = [len(s) for s in snap] + [digest, -digest]
+        stamp = self.stamp(digest)
+        x = stamp.pack()
+        values = [len(s) for s in snap] + [x, -x]
         try:
             handle = self.collective(values)
         except Exception as exc:  # re-raised with context
             self._fail(exc, "issuing")
         self._step += 1
-        self._pending.append(_Pending(handle, names, snap, digest, self._step))
+        self._pending.append(_Pending(handle, names, snap, stamp, self._step))
 
-    def consume_due(self, head: Callable[[Hashable, int], Sequence[object]]) -> Consumed | None:
-        """Consume the oldest reduce if ``depth`` are in flight, else None.
+    def consume_due(self, head: Callable[[Hashable, int], Sequence[object]]) -> Optional[Consumed]:
+        """Consume every reduce that is due (one normally; none while the depth
+        grows; two in the step the depth shrinks), else None.
 
         ``head(name, n)`` returns (up to) the first ``n`` entries currently in
         the queue called ``name``, or () if that queue no longer exists.
         """
         self._check_usable()
-        if len(self._pending) < self.depth:
-            return None
-        return self._consume_oldest(head)
+        return self._consume(head, self.depth)
 
-    def drain(self, head, apply: Callable[[Consumed], None]) -> int:
-        """Consume every reduce in flight, oldest first (when standing down to the
-        blocking path). Each result is applied (popped) before the next one is
-        reconciled, so the next sees the entries the previous one took."""
-        n = 0
-        while self._pending:
-            self._check_usable()
-            apply(self._consume_oldest(head))
-            n += 1
-        return n
+    def drain(self, head: Callable[[Hashable, int], Sequence[object]]) -> Optional[Consumed]:
+        """Consume every reduce in flight, oldest first (when standing down to
+        the blocking path), as one result."""
+        self._check_usable()
+        return self._consume(head, 1)
 
-    def _consume_oldest(self, head) -> Consumed:
-        p = self._pending.popleft()
+    def _consume(self, head, keep_below: int) -> Optional[Consumed]:
+        """Consume the oldest reduces while ``keep_below`` or more are in flight.
+        Each is reconciled against the queue heads as the previous ones will
+        have left them (their pops applied), so one result pops each entry once."""
+        merged: Optional[Consumed] = None
+        while len(self._pending) >= keep_below:
+            merged = self._consume_oldest(head, merged)
+        return merged
+
+    def _wait(self, p: _Pending) -> list[int]:
         try:
             reduced = [int(v) for v in p.handle.wait()]
         except Exception as exc:  # re-raised with context
-            self._fail(exc, f"waiting on the reduce issued at step {p.step}")
+            self._fail(exc, f"waiting on this cache's reduce #{p.step}")
         if len(reduced) != len(p.names) + 2:
             self._fail(
                 ValueError(f"reduced {len(reduced)} values, issued {len(p.names) + 2}"),
                 "reading the reduced counts",
             )
-        lo, neg_hi = reduced[-2], reduced[-1]
-        if not (lo == p.digest == -neg_hi):
-            diverged = HiCacheAckSyncError(
-                "HiCache ack sync: ranks diverged - the write_back duplicate-reclaim "
-                f"digest differs across ranks (this rank {p.digest}, min {lo}, "
-                f"max {-neg_hi}) for the reduce issued at step {p.step}"
+        return reduced
+
+    def _check_stamps(self, p: _Pending, lo_x: int, hi_x: int) -> Stamp:
+        """The group's max stamp, after checking every rank agrees with ours."""
+        lo, hi = Stamp.unpack(lo_x), Stamp.unpack(hi_x)
+        if lo_x < STOCK_LIMIT or not (lo.agreed() == hi.agreed() == p.stamp.agreed()):
+            why = describe_mismatch(p.stamp, lo, hi, self.hints)
+            err = HiCacheAckSyncError(
+                f"HiCache ack sync: ranks disagree on this cache's reduce #{p.step}: "
+                f"{why} Nothing was popped; stopping."
             )
-            self._failed = diverged
-            raise diverged
-        pops: dict[Hashable, int] = {}
-        agreed: dict[Hashable, int] = {}
+            self._pending.clear()
+            self._failed = err
+            raise err
+        return hi
+
+    def _consume_oldest(self, head, before: Optional[Consumed]) -> Consumed:
+        p = self._pending.popleft()
+        reduced = self._wait(p)
+        hi = self._check_stamps(p, reduced[-2], -reduced[-1])
+        pops: dict[Hashable, int] = dict(before.pops) if before else {}
+        agreed: dict[Hashable, int] = dict(before.agreed) if before else {}
         for name, snap, count in zip(p.names, p.ready, reduced):
             if not 0 <= count <= len(snap):
                 self._fail(
                     ValueError(f"agreed {count} for {name!r}, {len(snap)} were ready"),
                     "checking the reduced counts",
                 )
-            agreed[name] = count
-            pops[name] = still_queued(snap[:count], head(name, count)) if count else 0
-        return Consumed(pops=pops, agreed=agreed, issued_step=p.step)
+            taken = pops.get(name, 0)  # popped by an older reduce consumed this step
+            left = head(name, taken + count)[taken:] if count else ()
+            pops[name] = taken + still_queued(snap[:count], left)
+            agreed[name] = agreed.get(name, 0) + count
+        reduces = before.reduces + 1 if before else 1
+        return Consumed(pops, agreed, p.step, reduces, hi.obs)
 
     def _fail(self, exc: BaseException, doing: str) -> NoReturn:
         self._pending.clear()
@@ -190,3 +308,13 @@ class PipelinedAckSync:
             f"HiCache ack sync failed while {doing}: {exc}. A peer rank may have "
             "died or the collective timed out; not retrying."
         ) from exc
+
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Consumed",
+    "HiCacheAckSyncError",
+    "PipelinedAckSync",
+    "Stamp",
+    "still_queued",
+]

@@ -6,11 +6,15 @@ UnifiedRadixCache, over real process groups (:func:`run_specs`, a rank target
 for :mod:`hicache_async_ack.tools.ranks`) or over a :class:`MinHub` in one
 process (the many-rank simulation in the tests).
 
-Spec keys: name, seed, steps, env (plugin settings for this scenario),
-max_delay / skew (when acks finish, in steps), storage, extra_pools, event_p /
-events (lifecycle events, chosen by the shared generator), cp_x_tp ("grid": the
-SGLang layout, "odd": one no group spans), drain_steps, and the faults
-diverge_at / die_at / stall_at (+ stall_s) / expect_error.
+Spec keys: name, seed, steps, env (plugin settings for this scenario, over
+the process's own), rank_env ({rank: settings} for one rank only), max_delay /
+skew (when acks finish, in steps), storage, extra_pools, event_p / events
+(lifecycle events, chosen by the shared generator), cp_x_tp ("grid": the SGLang
+layout, "odd": one no group spans), drain_steps, fresh_group (a new TP group
+for this scenario, so one whose collectives end out of step leaves the next
+ones sound), and the faults diverge_at / die_at / stall_at (+ stall_s) /
+protocol_at (rank 1 speaks another protocol version from that step) /
+expect_error.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from typing import Optional
 
+from .. import core
 from ..ack_sync import state_of
 from ..env import DEPTH_VAR, ENABLE_VAR
 from ..sglang_plugin import after_init_hicache
@@ -42,14 +48,29 @@ STORAGE_ONLY_EVENTS = ("detach", "attach", "drain_storage")
 # (drain_storage_control_queues_local): those pops may differ across ranks.
 LOCAL_DRAIN_EVENTS = ("detach",)
 ACK_KINDS = ("write", "load")
+PROTOCOL_VERSION = core.PROTOCOL_VERSION  # what this release speaks
 SETTINGS_VARS = (ENABLE_VAR, DEPTH_VAR)
+_process_settings: Optional[dict[str, Optional[str]]] = None
+
+
+def apply_settings(spec: dict, rank: int) -> None:
+    """The process's own plugin settings, then the scenario's, then this rank's."""
+    global _process_settings
+    if _process_settings is None:
+        _process_settings = {k: os.environ.get(k) for k in SETTINGS_VARS}
+    for k, v in _process_settings.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    os.environ.update(spec.get("env", {}))
+    os.environ.update(spec.get("rank_env", {}).get(str(rank), {}))
 
 
 class RankDriver:
     def __init__(self, spec: dict, rank: int, world: int, groups: dict):
-        for k in SETTINGS_VARS:
-            os.environ.pop(k, None)
-        os.environ.update(spec.get("env", {}))
+        apply_settings(spec, rank)
+        core.PROTOCOL_VERSION = PROTOCOL_VERSION
         self.spec = spec
         self.rank = rank
         self.world = world
@@ -91,6 +112,8 @@ class RankDriver:
         if spec.get("stall_at") == step and self.rank == last:
             time.sleep(spec["stall_s"])  # stops stepping: peers' waits time out
             os._exit(18)
+        if spec.get("protocol_at") == step and self.rank == 1:
+            core.PROTOCOL_VERSION = PROTOCOL_VERSION + 1  # a peer on another release
         self.traffic.enqueue(step, new_work=step < spec["steps"])
 
     def pick_event(self, step: int):
@@ -135,10 +158,12 @@ class RankDriver:
                 left[str(name)] = cc.storage_queue(name).qsize()
         return left
 
-    def summary(self, per_step: list) -> dict:
+    def summary(self, per_step: list, events: list) -> dict:
         decision = self.state.decide(self.sim.cache)
         return {
             "pops": per_step,
+            "events": events,
+            "steps_run": len(per_step),
             "violations": self.sim.cc.violations,
             "left": self.left(),
             "pending": self.state.sync.pending if self.state.sync else 0,
@@ -149,20 +174,30 @@ class RankDriver:
 
 
 def run_scenario(spec: dict, rank: int, world: int, groups: dict) -> dict:
-    """All steps of one scenario on one rank of real process groups."""
+    """All steps of one scenario on one rank. On an error, what was popped up to
+    it comes back with the error (the step that raised is not counted)."""
     d = RankDriver(spec, rank, world, groups)
-    per_step = []
-    for step in range(d.total_steps):
-        d.step_traffic(step)
-        ev = d.pick_event(step)
-        if ev:
-            d.run_event(ev)
-        pre = d.sim.take_pops()  # popped by the lifecycle path itself
-        d.sim.cache.check_hicache_events()
-        per_step.append([pre, d.sim.take_pops()])
-    out = d.summary(per_step)
-    out["steps_run"] = len(per_step)
-    return out
+    per_step: list[list] = []
+    events: list[Optional[str]] = []
+    try:
+        for step in range(d.total_steps):
+            d.step_traffic(step)
+            ev = d.pick_event(step)
+            if ev:
+                d.run_event(ev)
+            pre = d.sim.take_pops()  # popped by the lifecycle path itself
+            d.sim.cache.check_hicache_events()
+            per_step.append([pre, d.sim.take_pops()])
+            events.append(ev)
+    except Exception as exc:
+        out = d.summary(per_step, events)
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["traceback"] = traceback.format_exc()
+        out["popped_in_failed_step"] = d.sim.take_pops()
+        return out
+    finally:
+        core.PROTOCOL_VERSION = PROTOCOL_VERSION
+    return d.summary(per_step, events)
 
 
 def run_specs(ctx, payload: dict) -> dict:
@@ -179,11 +214,12 @@ def run_specs(ctx, payload: dict) -> dict:
 
     load_plugins()
     timeout = payload.get("group_timeout_s", 60.0)
-    groups = {
-        "tp": dist.new_group(
-            list(range(ctx.world_size)), backend="gloo", timeout=timedelta(seconds=timeout)
-        )
-    }
+    everyone = list(range(ctx.world_size))
+
+    def tp_group():
+        return dist.new_group(everyone, backend="gloo", timeout=timedelta(seconds=timeout))
+
+    groups = {"tp": tp_group()}
     groups.update(create_groups(ctx.rank, payload.get("layout", {}), timeout))
     results: dict[str, dict] = {}
     broken = False
@@ -191,15 +227,17 @@ def run_specs(ctx, payload: dict) -> dict:
         if broken:
             results[spec["name"]] = {"error": "skipped after an earlier failure"}
             continue
+        if spec.get("fresh_group"):
+            groups["tp"] = tp_group()
         t0 = time.monotonic()
         try:
             results[spec["name"]] = run_scenario(spec, ctx.rank, ctx.world_size, groups)
-        except Exception as exc:  # reported to the test
+        except Exception as exc:  # setting the scenario up failed
             results[spec["name"]] = {
                 "error": f"{type(exc).__name__}: {exc}",
                 "traceback": traceback.format_exc(),
             }
-            broken = not spec.get("expect_error")
         results[spec["name"]]["seconds"] = time.monotonic() - t0
+        broken = "error" in results[spec["name"]] and not spec.get("expect_error")
         ctx.report(len(results))
     return results

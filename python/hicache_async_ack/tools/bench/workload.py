@@ -47,6 +47,9 @@ class DelayedHandle:
             time.sleep(left)
         return self.inner.wait()
 
+    def is_completed(self) -> bool:
+        return time.perf_counter() >= self.ready_at and self.inner.is_completed()
+
 
 def delayed_factory(base_factory, latency_s: float):
     def factory(group):
