@@ -138,10 +138,10 @@ def test_any_stamp_is_above_any_stock_digest():
     assert Stamp(1, False, 1, 0).pack() > (1 << 42) - 1
 
 
-def _mismatch(peer_slot, depth=1, auto=False):
+def _mismatch(peer_slot, depth=1):
     hub = MinHub(peer=lambda values: [1, *peer_slot])
     hints = {"depth": "Set THE_DEPTH_VAR identically.", "stock": "STOCK HINT"}
-    sync = PipelinedAckSync(hub.collective(), depth=depth, auto=auto, hints=hints)
+    sync = PipelinedAckSync(hub.collective(), depth=depth, hints=hints)
     q = [Ref()]
     for _ in range(depth):
         sync.issue({"w": q}, digest=9)
@@ -220,3 +220,35 @@ def test_plugins_whitelist():
     assert env.plugin_whitelisted({})
     assert env.plugin_whitelisted({env.PLUGINS_VAR: "a, hicache_async_ack"})
     assert not env.plugin_whitelisted({env.PLUGINS_VAR: "other"})
+
+
+# ---------------------------------------------------------------- auto depth
+def test_auto_depth_raises_after_consecutive_waits_and_ignores_stale_ones():
+    rule = core.AutoDepth(raise_after=2, lower_after=3)
+    waited = core.observation(0.001, next_pending=False)
+    assert rule.update(waited, issued_step=1, now_step=1) == 1  # one wait: noise
+    assert rule.update(waited, issued_step=2, now_step=2) == 2  # two in a row: raise
+    # observations from reduces issued before the change describe the old depth
+    assert rule.update(waited, issued_step=2, now_step=3) == 2
+    assert rule.update(waited, issued_step=3, now_step=4) == 2
+    assert rule.update(waited, issued_step=4, now_step=5) == 3
+    assert rule.changes == [(2, 1, 2), (5, 2, 3)]
+
+
+def test_auto_depth_lowers_after_a_clean_streak_and_never_past_its_bounds():
+    rule = core.AutoDepth(lo=1, hi=2, raise_after=1, lower_after=3, depth=2)
+    clean, pending = core.observation(0.0, False), core.observation(0.0, True)
+    step = 0
+    for obs in (clean, clean, pending, clean, clean):
+        step += 1
+        assert rule.update(obs, step, step) == 2  # the streak restarted
+    assert rule.update(clean, 6, 6) == 1
+    assert rule.update(core.observation(0.005, False), 7, 7) == 2
+    assert rule.update(core.observation(0.005, False), 8, 8) == 2  # hi bound
+
+
+def test_short_waits_are_noise_and_any_wait_outranks_next_pending():
+    assert core.observation(core.WAIT_FLOOR_S / 2, False) == 0
+    assert core.observation(0.0, True) == 1
+    assert core.observation(core.WAIT_FLOOR_S, False) > core.observation(0.0, True)
+    assert core.observation(10.0, True) == core.OBS_MAX

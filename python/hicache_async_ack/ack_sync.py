@@ -1,10 +1,10 @@
-"""The pipelined HiCache ack sync on SGLang's UnifiedRadixCache, without hooks.
+"""The pipelined HiCache ack sync on SGLang's UnifiedRadixCache.
 
 Everything here speaks SGLang's vocabulary (ack queues, storage control queues,
 the tp / attn CP / attn TP groups) but does not know how it is attached to the
-cache: the plugin calls :func:`pipelined_check_hicache_events` and
-:func:`agreed_ready_counts` from its hooks. Per-cache state lives in the
-cache's ``__dict__`` and is created on first use.
+cache: whoever owns ``check_hicache_events`` and ``_sync_hicache_ready_counts``
+routes them through :func:`pipelined_check_hicache_events` and
+:func:`agreed_ready_counts`. Per-cache state lives in the cache's ``__dict__``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional
 
-from .core import Consumed, HiCacheAckSyncError, PipelinedAckSync
-from .env import DEPTH_VAR, ENABLE_VAR, PLUGINS_VAR, Settings, read_settings
+from .core import AutoDepth, Consumed, HiCacheAckSyncError, PipelinedAckSync
+from .env import DEPTH_MAX, DEPTH_VAR, ENABLE_VAR, Settings, read_settings
 
 logger = logging.getLogger("sglang.srt.mem_cache.hicache_async_ack")
 
@@ -46,10 +46,9 @@ MISMATCH_HINTS = {
     "auto": f"Set {DEPTH_VAR} identically on every node of the TP group.",
     "protocol": "Run the same version of the pipelined HiCache ack sync on every node.",
     "stock": (
-        "that rank does not pipeline: the pipelined ack sync is not installed or not "
-        f"loaded there (e.g. {PLUGINS_VAR} excludes it), {ENABLE_VAR}=0 is set there, or "
-        "its cache is not eligible (its log line says why). Give every node of the TP "
-        "group the same install and the same settings."
+        "that rank does not pipeline: the pipelined ack sync is not there, "
+        f"{ENABLE_VAR}=0 is set there, or its cache is not eligible (its log line says "
+        "why). Give every node of the TP group the same install and the same settings."
     ),
 }
 
@@ -255,20 +254,30 @@ class CacheState:
     """What is kept per UnifiedRadixCache.
 
     ``blocker``, when given, keeps this cache on the blocking path for its
-    lifetime (the caller knows why, e.g. its hooks are not in place); ``tag``
-    ends the log line (who pipelines: the plugin and its version)."""
+    lifetime (the caller knows why); ``tag`` ends the log line (who pipelines,
+    and which version); ``hints`` override :data:`MISMATCH_HINTS`."""
 
-    def __init__(self, cache, settings: Settings, blocker: Optional[str] = None, tag: str = ""):
+    def __init__(
+        self,
+        cache,
+        settings: Settings,
+        blocker: Optional[str] = None,
+        tag: str = "",
+        hints: Optional[dict[str, str]] = None,
+    ):
         self.settings = settings
         self.tag = tag
+        # Metrics sink (see hicache_async_ack.metrics); None costs the step nothing.
+        self.metrics: Any = None
         self.static = Decision(False, blocker) if blocker else static_decision(cache)
-        self.sync = (
-            PipelinedAckSync(
-                collective_factory(self.static.group), settings.depth, hints=MISMATCH_HINTS
+        self.sync: Optional[PipelinedAckSync] = None
+        if self.static.pipelined:
+            self.sync = PipelinedAckSync(
+                collective_factory(self.static.group),
+                settings.depth,
+                auto=AutoDepth(hi=DEPTH_MAX) if settings.auto else None,
+                hints={**MISMATCH_HINTS, **(hints or {})},
             )
-            if self.static.pipelined
-            else None
-        )
         self.in_pipelined_step = False
         self.due: Optional[Consumed] = None
         self.due_taken = False  # upstream asked for this step's counts already
@@ -292,9 +301,10 @@ class CacheState:
             return
         self._announced = key
         tag = f"; {self.tag}" if self.tag else ""
+        depth = f"auto from {self.settings.depth}" if self.settings.auto else self.settings.depth
         line = (
             f"HiCache ack sync: pipelined over the {decision.reason} "
-            f"(world size {decision.world_size}, depth {self.settings.depth}{tag})"
+            f"(world size {decision.world_size}, depth {depth}{tag})"
             if decision.pipelined
             else f"HiCache ack sync: blocking (upstream path) because {decision.reason}"
             + (f" ({self.tag})" if self.tag else "")
@@ -306,8 +316,16 @@ def state_of(cache) -> Optional[CacheState]:
     return cache.__dict__.get(_STATE_ATTR)
 
 
-def attach_state(cache, blocker: Optional[str] = None, tag: str = "") -> CacheState:
-    state = CacheState(cache, read_settings(), blocker, tag)
+def attach_state(
+    cache,
+    blocker: Optional[str] = None,
+    tag: str = "",
+    settings: Optional[Settings] = None,
+    hints: Optional[dict[str, str]] = None,
+) -> CacheState:
+    """Create the cache's state (``settings`` default to the environment's)."""
+    settings = read_settings() if settings is None else settings
+    state = CacheState(cache, settings, blocker, tag, hints)
     cache.__dict__[_STATE_ATTR] = state
     return state
 
@@ -317,8 +335,8 @@ def pipelined_check_hicache_events(state: CacheState, cache, original, *args, **
     """One scheduler step: consume the due reduce, run upstream's
     check_hicache_events with the agreed counts, then issue the next reduce.
 
-    Numbered as in docs/design.md: 2 (consume) and 5 (issue) are ours; 1, 3 and
-    4 are upstream's code: it reaps PP work, flushes backups, calls
+    Numbered as in the design notes: 2 (consume) and 5 (issue) are the ack
+    sync's; 1, 3 and 4 are the cache's own code: it reaps PP work, flushes backups, calls
     _sync_hicache_ready_counts (answered by :func:`agreed_ready_counts`), pops
     through writing_check / loading_check / the storage drain and flushes
     buffers."""
@@ -334,7 +352,15 @@ def pipelined_check_hicache_events(state: CacheState, cache, original, *args, **
                 pop_agreed(cache, drained)
         return original(cache, *args, **kwargs)
     assert sync is not None  # a pipelined decision always has a sync
-    state.due = sync.consume_due(head_reader(cache))
+    state.due = due = sync.consume_due(head_reader(cache))
+    if due is not None and due.depth_change is not None:
+        logger.info(
+            "HiCache ack sync: auto depth %d -> %d (%s)",
+            *due.depth_change,
+            "a rank waited on the due reduce"
+            if due.depth_change[1] > due.depth_change[0]
+            else "the reduces complete a step sooner",
+        )
     state.due_taken = False
     state.in_pipelined_step = True
     try:

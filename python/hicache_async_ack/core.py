@@ -25,13 +25,13 @@ observation, so min and max of x differ there exactly when some rank differs;
 the observation's max then rides along for free. A stamp is always >= 2**58,
 above any digest upstream's blocking path sends (< 2**42), so a rank running
 that path on the same reduce fails upstream's own digest check, and we name it.
-docs/design.md has the full argument.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Hashable, Mapping, NoReturn, Optional, Protocol, Sequence
 
 # The wire protocol of the pipelined reduce: bump it whenever what a reduce
@@ -124,6 +124,58 @@ def describe_mismatch(mine: Stamp, lo: Stamp, hi: Stamp, hints: Mapping[str, str
     raise AssertionError("stamps agree")  # pragma: no cover - callers check first
 
 
+# ------------------------------------------------------------------ auto depth
+WAIT_UNIT_S = 100e-6  # the observation counts waits in units of 100 us
+WAIT_FLOOR_S = 200e-6  # shorter waits are noise (the collective's own cost), not latency
+
+
+def observation(waited_s: float, next_pending: bool) -> int:
+    """One rank's observation at a consume, for the group's MAX: how long it
+    waited on the due reduce (0 unless at least WAIT_FLOOR_S) above one bit:
+    whether the reduce after it was still in flight (so one step less depth
+    would have waited). Any wait outranks every 'still in flight'."""
+    units = int(waited_s / WAIT_UNIT_S) if waited_s >= WAIT_FLOOR_S else 0
+    return min(OBS_MAX, (units << 1) | int(next_pending))
+
+
+@dataclass
+class AutoDepth:
+    """The depth rule every rank applies to the same agreed observations at the
+    same consume, so the depth moves on every rank at once with no extra
+    collective. Raise by one when some rank waited on ``raise_after``
+    consecutive consumed reduces; lower by one when, on ``lower_after``
+    consecutive ones, every rank found the next reduce already complete.
+    Observations from reduces issued before the last change took effect are
+    ignored (they describe the old depth)."""
+
+    lo: int = 1
+    hi: int = 8
+    raise_after: int = 2
+    lower_after: int = 16
+    depth: int = 1
+    _waits: int = 0
+    _clean: int = 0
+    _settled_after: int = 0  # reduces issued up to this step predate the last change
+    changes: list[tuple[int, int, int]] = field(default_factory=list)  # (step, from, to)
+
+    def update(self, obs_max: int, issued_step: int, now_step: int) -> int:
+        if issued_step <= self._settled_after:
+            return self.depth
+        waited, next_pending = obs_max >> 1, obs_max & 1
+        self._waits = self._waits + 1 if waited else 0
+        self._clean = self._clean + 1 if not waited and not next_pending else 0
+        new = self.depth
+        if self._waits >= self.raise_after and self.depth < self.hi:
+            new = self.depth + 1
+        elif self._clean >= self.lower_after and self.depth > self.lo:
+            new = self.depth - 1
+        if new != self.depth:
+            self.changes.append((now_step, self.depth, new))
+            self.depth, self._waits, self._clean = new, 0, 0
+            self._settled_after = now_step
+        return self.depth
+
+
 @dataclass(frozen=True)
 class _Pending:
     handle: Handle
@@ -142,6 +194,8 @@ class Consumed:
     issued_step: int
     reduces: int = 1  # more than one when the depth was lowered this step
     obs_max: int = 0  # the group's max observation (of the newest one consumed)
+    waited_s: float = 0.0  # how long this rank waited on the due reduce(s)
+    depth_change: Optional[tuple[int, int]] = None  # (from, to), auto depth only
 
 
 def still_queued(agreed: Sequence[object], head: Sequence[object]) -> int:
@@ -177,7 +231,8 @@ class PipelinedAckSync:
 
     ``hints`` completes a mismatch error with what the operator should do, per
     stamp field ("depth", "auto", "protocol", "digest", and "stock": a peer that
-    ran the blocking path).
+    ran the blocking path). With ``auto``, the depth follows that rule, starting
+    at ``depth``.
     """
 
     def __init__(
@@ -185,7 +240,7 @@ class PipelinedAckSync:
         collective: Collective,
         depth: int = 1,
         *,
-        auto: bool = False,
+        auto: Optional[AutoDepth] = None,
         hints: Optional[Mapping[str, str]] = None,
     ):
         if not 1 <= depth <= DEPTH_LIMIT:
@@ -193,6 +248,8 @@ class PipelinedAckSync:
         self.collective = collective
         self.depth = depth
         self.auto = auto
+        if auto is not None:
+            auto.depth = depth
         self.hints = dict(hints or {})
         self._pending: deque[_Pending] = deque()
         self._failed: Optional[BaseException] = None
@@ -214,7 +271,7 @@ class PipelinedAckSync:
             ) from self._failed
 
     def stamp(self, digest: int) -> Stamp:
-        return Stamp(PROTOCOL_VERSION, self.auto, self.depth, digest, self._obs)
+        return Stamp(PROTOCOL_VERSION, self.auto is not None, self.depth, digest, self._obs)
 
     def issue(self, ready: Mapping[Hashable, Sequence[object]], digest: int) -> None:
         """Start the MIN-reduce of the ready counts (plus the stamp as ``[x, -x]``)."""
@@ -252,9 +309,31 @@ class PipelinedAckSync:
         Each is reconciled against the queue heads as the previous ones will
         have left them (their pops applied), so one result pops each entry once."""
         merged: Optional[Consumed] = None
+        waited = 0.0
         while len(self._pending) >= keep_below:
+            p = self._pending[0]
+            t0 = time.perf_counter() if not p.handle.is_completed() else None
             merged = self._consume_oldest(head, merged)
-        return merged
+            if t0 is not None:
+                waited += time.perf_counter() - t0
+        if merged is None:
+            return None
+        next_pending = bool(self._pending) and not self._pending[0].handle.is_completed()
+        self._obs = observation(waited, next_pending)
+        change = None
+        if self.auto is not None:
+            before = self.depth
+            self.depth = self.auto.update(merged.obs_max, merged.issued_step, self._step)
+            change = (before, self.depth) if self.depth != before else None
+        return Consumed(
+            merged.pops,
+            merged.agreed,
+            merged.issued_step,
+            merged.reduces,
+            merged.obs_max,
+            waited,
+            change,
+        )
 
     def _wait(self, p: _Pending) -> list[int]:
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Mapping, Optional, Union
 
 # The spellings SGLang's own EnvBool (sglang.srt.environ) accepts, case-insensitive.
 TRUE_SPELLINGS = ("true", "1", "yes", "y")
@@ -20,23 +21,35 @@ ENABLE_DEFAULT = True
 
 # SGLANG_HICACHE_ASYNC_ACK_DEPTH: how many reduces may be in flight (lag depth k).
 # Each step waits on the one issued k steps ago; acks are popped k steps late.
+# "auto" starts at 1 and lets the ranks move it together, from 1 to DEPTH_MAX, to the
+# smallest depth that hides the reduce's latency (docs/design.md, "Auto depth").
 DEPTH_VAR = "SGLANG_HICACHE_ASYNC_ACK_DEPTH"
 DEPTH_DEFAULT = 1
 DEPTH_MAX = 8  # beyond this the added lag outweighs any latency a host could hide
+DEPTH_AUTO = "auto"
+
+# SGLANG_HICACHE_ASYNC_ACK_ALLOW_UNTESTED: run on an SGLang whose hooked methods differ
+# from every tested release (the plugin otherwise stays inert there and says which
+# method changed). For operators who read that warning and accept the risk. Default off.
+ALLOW_UNTESTED_VAR = "SGLANG_HICACHE_ASYNC_ACK_ALLOW_UNTESTED"
+ALLOW_UNTESTED_DEFAULT = False
 
 # SGLANG_PLUGINS: SGLang's own comma-separated whitelist of general plugins. Read
 # here only to report (doctor) whether our entry point would be skipped.
 PLUGINS_VAR = "SGLANG_PLUGINS"
 ENTRY_POINT_NAME = "hicache_async_ack"
 
+Environ = Mapping[str, str]
+
 
 @dataclass(frozen=True)
 class Settings:
     enabled: bool
-    depth: int
+    depth: int  # the fixed lag depth, or where auto starts
+    auto: bool = False  # the ranks move the depth together (SGLANG_..._DEPTH=auto)
 
 
-def parse_bool(name: str, raw: str | None, default: bool) -> bool:
+def parse_bool(name: str, raw: Optional[str], default: bool) -> bool:
     if raw is None or raw == "":
         return default
     value = raw.strip().lower()
@@ -50,9 +63,12 @@ def parse_bool(name: str, raw: str | None, default: bool) -> bool:
     )
 
 
-def parse_depth(name: str, raw: str | None, default: int) -> int:
+def parse_depth(name: str, raw: Optional[str], default: int) -> Union[int, str]:
+    """An integer lag depth, or "auto"."""
     if raw is None or raw.strip() == "":
         return default
+    if raw.strip().lower() == DEPTH_AUTO:
+        return DEPTH_AUTO
     try:
         depth = int(raw.strip())
     except ValueError:
@@ -60,21 +76,29 @@ def parse_depth(name: str, raw: str | None, default: int) -> int:
     if not 1 <= depth <= DEPTH_MAX:
         raise ValueError(
             f"{name}={raw!r} is not a valid lag depth; accepted values: an integer "
-            f"from 1 to {DEPTH_MAX} (1 = pop acks one step late, the default)"
+            f"from 1 to {DEPTH_MAX} (1 = pop acks one step late, the default), or "
+            f"{DEPTH_AUTO!r} (the ranks pick the smallest depth that hides the latency)"
         )
     return depth
 
 
-def read_settings(environ: dict[str, str] | None = None) -> Settings:
+def read_settings(environ: Optional[Environ] = None) -> Settings:
     """Read and validate the plugin's settings; raises ValueError on bad input."""
     env = os.environ if environ is None else environ
+    depth = parse_depth(DEPTH_VAR, env.get(DEPTH_VAR), DEPTH_DEFAULT)
     return Settings(
         enabled=parse_bool(ENABLE_VAR, env.get(ENABLE_VAR), ENABLE_DEFAULT),
-        depth=parse_depth(DEPTH_VAR, env.get(DEPTH_VAR), DEPTH_DEFAULT),
+        depth=1 if depth == DEPTH_AUTO else int(depth),
+        auto=depth == DEPTH_AUTO,
     )
 
 
-def plugin_whitelisted(environ: dict[str, str] | None = None) -> bool:
+def allow_untested(environ: Optional[Environ] = None) -> bool:
+    env = os.environ if environ is None else environ
+    return parse_bool(ALLOW_UNTESTED_VAR, env.get(ALLOW_UNTESTED_VAR), ALLOW_UNTESTED_DEFAULT)
+
+
+def plugin_whitelisted(environ: Optional[Environ] = None) -> bool:
     """Whether SGLANG_PLUGINS (if set) lets SGLang's loader pick our entry point."""
     env = os.environ if environ is None else environ
     raw = env.get(PLUGINS_VAR, "")

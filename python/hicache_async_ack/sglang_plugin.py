@@ -22,7 +22,7 @@ from .ack_sync import (
     pipelined_check_hicache_events,
     state_of,
 )
-from .env import ENABLE_VAR, read_settings
+from .env import ENABLE_VAR, PLUGINS_VAR, read_settings
 
 logger = logging.getLogger("sglang.srt.mem_cache.hicache_async_ack")
 
@@ -108,9 +108,17 @@ def hook_problem(cache) -> Optional[str]:
     return None
 
 
+STOCK_HINT = (
+    "that rank does not pipeline: hicache-async-ack is not installed or not loaded "
+    f"there (e.g. {PLUGINS_VAR} excludes it), {ENABLE_VAR}=0 is set there, or its cache "
+    "is not eligible (its log line says why). Give every node of the TP group the same "
+    "install and the same settings."
+)
+
+
 def attach(cache) -> CacheState:
     """Build the cache's state; a cache whose hooks are not in place stays blocking."""
-    return attach_state(cache, hook_problem(cache), TAG)
+    return attach_state(cache, hook_problem(cache), TAG, hints={"stock": STOCK_HINT})
 
 
 @_hook
