@@ -1,4 +1,6 @@
-"""SGLang's real load_plugins() in a fresh process picks the entry point up."""
+"""SGLang's real load_plugins() in a fresh process picks the entry point up, and
+the version guard decides what it registers (on every tested SGLang: this file is
+part of the per-release subset)."""
 
 from __future__ import annotations
 
@@ -9,15 +11,22 @@ import textwrap
 
 import pytest
 
-from hicache_async_ack.env import ENABLE_VAR, PLUGINS_VAR
+from hicache_async_ack.env import ALLOW_UNTESTED_VAR, ENABLE_VAR, PLUGINS_VAR
+from hicache_async_ack.upstream import installed_version
 
+SYNC = "_sync_hicache_ready_counts"
+
+DRIFT = "HICACHE_ASYNC_ACK_TEST_DRIFT"  # probe only: drift this method before loading
 PROBE = textwrap.dedent(
-    """
-    import logging, sys
+    f"""
+    import logging, os, sys
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(message)s")
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache as C
+    if os.environ.get("{DRIFT}"):  # an SGLang whose method returns one more field
+        from hicache_async_ack.testing.drift import drift_method
+        drift_method(C, os.environ["{DRIFT}"])
     from sglang.srt.plugins import load_plugins
     load_plugins()
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache as C
     from hicache_async_ack.sglang_plugin import is_hooked
     names = ("init_hicache", "check_hicache_events", "_sync_hicache_ready_counts")
     print("HOOKED", [is_hooked(getattr(C, n)) for n in names])
@@ -46,6 +55,8 @@ def outputs():
         "other": _start(**{PLUGINS_VAR: "some_other_plugin"}),
         "disabled": _start(**{ENABLE_VAR: "0"}),
         "bad_env": _start(**{ENABLE_VAR: "maybe"}),
+        "drifted": _start(**{DRIFT: SYNC}),
+        "drifted_allowed": _start(**{DRIFT: SYNC, ALLOW_UNTESTED_VAR: "1"}),
     }
     out = {}
     try:
@@ -63,6 +74,23 @@ def outputs():
 def test_loader_applies_hooks(outputs):
     assert "HOOKED [True, True, True]" in outputs["default"]
     assert "HOOKED [True, True, True]" in outputs["whitelisted"]
+    release = installed_version()
+    assert f"SGLang {release} matches tested release {release}" in outputs["default"]
+
+
+def test_changed_method_body_leaves_loader_stock_naming_it(outputs):
+    """Same version, same signatures, _sync_hicache_ready_counts returns one more
+    field: the real loader applies no hook and the warning names the method."""
+    out = outputs["drifted"]
+    assert "HOOKED [False, False, False]" in out
+    assert f"is untested: UnifiedRadixCache.{SYNC} differs from" in out
+    assert f"set {ALLOW_UNTESTED_VAR}=1" in out
+
+
+def test_changed_method_body_with_opt_in_applies_hooks_loudly(outputs):
+    out = outputs["drifted_allowed"]
+    assert "HOOKED [True, True, True]" in out
+    assert "RUNNING ON AN UNTESTED SGLANG" in out and f"UnifiedRadixCache.{SYNC}" in out
 
 
 def test_whitelist_without_us_leaves_stock_behaviour(outputs):
@@ -88,35 +116,3 @@ def test_bad_env_raises_at_cache_init(plugin, monkeypatch):
     guard = sglang_plugin._raise_config_error(err)
     with pytest.raises(ValueError, match="not a boolean"):
         guard(object(), None, None)
-
-
-def test_version_drift_registers_nothing(monkeypatch, caplog):
-    """A renamed method or changed signature: inert, warning naming it."""
-    import logging
-
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    from hicache_async_ack import sglang_plugin
-
-    class Drifted(UnifiedRadixCache):
-        def loading_check(self, count=None):  # finish_count renamed
-            pass
-
-    Drifted._sync_hicache_ready_counts = None  # removed upstream
-    assert any("loading_check" in p for p in sglang_plugin.upstream_shape_problems(Drifted))
-    assert any(
-        "_sync_hicache_ready_counts" in p for p in sglang_plugin.upstream_shape_problems(Drifted)
-    )
-    assert sglang_plugin.upstream_shape_problems(UnifiedRadixCache) == []
-
-    registered = []
-    monkeypatch.setattr(HookRegistry, "register", lambda *a, **k: registered.append(a))
-    monkeypatch.setattr(
-        sglang_plugin, "upstream_shape_problems", lambda cls=None: ["loading_check drift"]
-    )
-    monkeypatch.delenv(ENABLE_VAR, raising=False)
-    caplog.set_level(logging.WARNING, logger="sglang.srt.mem_cache.hicache_async_ack")
-    sglang_plugin.register()
-    assert registered == []
-    assert "registering no hooks, stock behaviour kept: loading_check drift" in caplog.text

@@ -1,4 +1,5 @@
-"""The SGLang plugin: hooks, registration and the version guard.
+"""The SGLang plugin: hooks and registration (the version guard is
+:mod:`hicache_async_ack.upstream`).
 
 Entry point ``hicache_async_ack = hicache_async_ack.sglang_plugin:register`` in
 the group ``sglang.srt.plugins`` (a public contract: operators' SGLANG_PLUGINS
@@ -9,10 +10,8 @@ process, then applies the hooks. The pipelined step itself lives in
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import logging
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from . import __version__
 from .ack_sync import (
@@ -22,55 +21,13 @@ from .ack_sync import (
     pipelined_check_hicache_events,
     state_of,
 )
-from .env import ENABLE_VAR, PLUGINS_VAR, read_settings
+from .env import ALLOW_UNTESTED_VAR, ENABLE_VAR, PLUGINS_VAR, allow_untested, read_settings
+from .upstream import CACHE_CLASS, check_installed
 
 logger = logging.getLogger("sglang.srt.mem_cache.hicache_async_ack")
 
-CACHE_MODULE = "sglang.srt.mem_cache.unified_radix_cache"
-CACHE_CLASS = f"{CACHE_MODULE}.UnifiedRadixCache"
-CHECKED_AGAINST = "sglang 0.5.23"
 TAG = f"hicache-async-ack {__version__}"
 _MARK = "_hicache_async_ack_hook"  # set on our hook functions, found via __wrapped__
-
-# Methods the hooks call or wrap, with the parameter names they rely on.
-REQUIRED_METHODS: dict[str, tuple[str, ...]] = {
-    "check_hicache_events": ("self",),
-    "_sync_hicache_ready_counts": ("self",),
-    "init_hicache": ("self", "server_args", "params"),
-    "writing_check": ("self", "write_back", "finish_count"),
-    "loading_check": ("self", "finish_count"),
-    "_count_ready_acks": ("self", "ack_queue"),
-    "_drain_storage_control_queues_impl": (
-        "self",
-        "n_storage_hit",
-        "n_ack_prefetch",
-        "n_backup",
-        "n_release",
-        "extra_release_counts",
-        "log_metrics",
-    ),
-}
-
-
-# ---------------------------------------------------------------- version guard
-def upstream_shape_problems(cls: Any = None) -> list[str]:
-    """What the hooks rely on but this SGLang lacks; empty when supported."""
-    if cls is None:
-        try:
-            cls = importlib.import_module(CACHE_MODULE).UnifiedRadixCache
-        except Exception as exc:  # any import failure means unsupported
-            return [f"cannot import {CACHE_CLASS}: {exc!r}"]
-    problems = []
-    for name, params in REQUIRED_METHODS.items():
-        fn = getattr(cls, name, None)
-        if not callable(fn):
-            problems.append(f"{name}() is missing")
-            continue
-        fn = inspect.unwrap(fn)
-        got = tuple(inspect.signature(fn).parameters)
-        if got != params:
-            problems.append(f"{name}{got} != expected {name}{params}")
-    return problems
 
 
 # ------------------------------------------------------------------------ hooks
@@ -123,10 +80,22 @@ def attach(cache) -> CacheState:
 
 @_hook
 def after_init_hicache(result, cache, *args, **kwargs):
-    """AFTER UnifiedRadixCache.init_hicache: decide once, say it once per rank."""
+    """AFTER UnifiedRadixCache.init_hicache(server_args, params): decide once,
+    say it once per rank; with --enable-metrics, export the sync's metrics."""
     state = attach(cache)
+    params = kwargs.get("params", args[1] if len(args) > 1 else None)
+    if getattr(params, "enable_metrics", False):
+        state.metrics = metrics_for(cache)
     state.announce(state.decide(cache))
     return result
+
+
+def metrics_for(cache):
+    """The sync's metrics, labelled like the cache's other metrics."""
+    from .metrics import AckSyncMetrics
+
+    labels = getattr(getattr(cache, "metrics_collector", None), "labels", None)
+    return AckSyncMetrics(labels or {"cache_type": type(cache).__name__})
 
 
 @_hook
@@ -153,15 +122,35 @@ def _raise_config_error(error: ValueError):
     return before_init_hicache
 
 
-# (target attribute, hook type name, hook). Checked against sglang 0.5.23.
-# - init_hicache AFTER: runs once per cache after the controller exists; builds
-#   the per-cache state and logs pipelined/blocking. Stands down (logs blocking)
-#   for every ineligible topology.
-# - check_hicache_events AROUND: the pipelined step (consume -> upstream pops ->
-#   issue). Stands down to the original when the decision is blocking, after
-#   draining anything in flight.
-# - _sync_hicache_ready_counts AROUND: replaces the blocking reduce only while a
-#   pipelined step is running on that cache; otherwise calls the original.
+# Patch notes. Every hook targets sglang.srt.mem_cache.unified_radix_cache.
+# UnifiedRadixCache; all three are registered together, only on an SGLang whose
+# hooked and relied-on methods match a tested release (0.5.20-0.5.23, upstream.py;
+# or on opt-in, SGLANG_HICACHE_ASYNC_ACK_ALLOW_UNTESTED=1), never on a tree that
+# carries the sync itself, and not at all with SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC=0.
+# Upstream reference: sglang PR #39903 (pipeline the HiCache ack-count all_reduce).
+# Removable when upstream merges an equivalent (`hicache-async-ack upstream-patch`
+# writes ours as such a patch).
+#
+# 1. init_hicache, AFTER.
+#    Why: the per-cache decision needs the controller and groups init builds.
+#    How: builds the cache's state (eligibility, the CP x TP group check, metrics
+#    with --enable-metrics) and logs one line: pipelined or blocking, and why.
+#    Stands down: never fails init; an ineligible cache (PP, buffer_only, a
+#    linker, world size 1, DP attention CP x TP) just decides blocking.
+# 2. check_hicache_events, AROUND.
+#    Why: the blocking all_reduce inside it sits right before the next forward.
+#    How: consume the reduce issued k steps ago, run upstream's own method (its
+#    pops go through writing_check / loading_check / the storage drain), then
+#    count what is ready and issue the next reduce, async.
+#    Stands down: calls the original when the cache decides blocking (drains the
+#    reduces in flight first, so every rank leaves with the same pops).
+# 3. _sync_hicache_ready_counts, AROUND.
+#    Why: upstream's check takes its counts from here; that is where the
+#    blocking reduce runs.
+#    How: inside a pipelined step, returns the consumed agreement, once per step
+#    (a second call raises before anything more is popped).
+#    Stands down: everywhere else (loading_check's callers, blocking caches) it
+#    calls the original.
 HOOKS: tuple[tuple[str, str, Callable], ...] = (
     ("init_hicache", "AFTER", after_init_hicache),
     ("check_hicache_events", "AROUND", around_check_hicache_events),
@@ -175,6 +164,7 @@ def register() -> None:
 
     try:
         settings = read_settings()
+        untested_ok = allow_untested()
     except ValueError as error:
         # load_plugins() swallows exceptions from plugins; raise from a hook at
         # HiCache init instead so the server refuses to start with a bad value.
@@ -186,24 +176,77 @@ def register() -> None:
     if not settings.enabled:
         logger.info("HiCache ack sync: blocking (upstream path) because %s=0", ENABLE_VAR)
         return
-    problems = upstream_shape_problems()
-    if problems:
-        logger.warning(
-            "hicache-async-ack %s: this SGLang does not match what the plugin was "
-            "checked against (%s); registering no hooks, stock behaviour kept: %s",
-            __version__,
-            CHECKED_AGAINST,
-            "; ".join(problems),
+    if carries_the_sync_itself():
+        logger.info(
+            "%s: this SGLang carries the pipelined ack sync itself (%s); registering no hooks",
+            TAG,
+            IN_TREE_MODULE,
         )
+        return
+    if not guard_allows(untested_ok):
         return
     for attr, kind, hook in HOOKS:
         HookRegistry.register(f"{CACHE_CLASS}.{attr}", hook, getattr(HookType, kind))
     logger.debug("hicache-async-ack: registered %d hooks on %s", len(HOOKS), CACHE_CLASS)
 
 
+IN_TREE_MODULE = "sglang.srt.mem_cache.hicache_ack_sync"  # upstream-patch adds it
+
+
+def carries_the_sync_itself() -> bool:
+    """Whether this SGLang was patched with the in-tree form: hooking it again
+    would pipeline the pipelined step."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(IN_TREE_MODULE) is not None
+    except ImportError:
+        return False
+
+
+def guard_allows(untested_ok: bool) -> bool:
+    """The version guard's verdict on this SGLang, logged once per process."""
+    try:
+        verdict = check_installed()
+    except Exception as exc:  # e.g. the table missing from a broken install
+        logger.error("%s: cannot judge this SGLang (%r); registering no hooks", TAG, exc)
+        return False
+    if verdict.status == "tested":
+        logger.info("%s: %s; pipelining allowed", TAG, verdict.summary())
+        return True
+    if verdict.status == "incompatible":
+        logger.warning(
+            "%s: %s. Registering no hooks, stock behaviour kept (%s cannot override "
+            "this: the hooks need these methods, called with these parameters).",
+            TAG,
+            verdict.summary(),
+            ALLOW_UNTESTED_VAR,
+        )
+        return False
+    if not untested_ok:
+        logger.warning(
+            "%s: %s. Registering no hooks, stock behaviour kept. Tested: %s. To run "
+            "anyway after reading what changed, set %s=1 on every node.",
+            TAG,
+            verdict.summary(),
+            ", ".join(verdict.tested),
+            ALLOW_UNTESTED_VAR,
+        )
+        return False
+    logger.warning(
+        "%s: RUNNING ON AN UNTESTED SGLANG because %s=1. %s. The pipelined ack sync "
+        "was not tested against these methods: if they changed what they return or "
+        "pop, the server can fail or the ranks can pop different entries. Tested: %s.",
+        TAG,
+        ALLOW_UNTESTED_VAR,
+        verdict.summary(),
+        ", ".join(verdict.tested),
+    )
+    return True
+
+
 __all__ = [
     "register",
     "is_hooked",
-    "upstream_shape_problems",
     "after_init_hicache",
 ]

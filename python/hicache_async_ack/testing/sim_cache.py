@@ -208,6 +208,9 @@ class SimCache:
         ack = HiCacheAck(start_event=ev, finish_event=ev, node_ids=[uid])
         if kind == "write":
             self.cache.ongoing_write_through[uid] = None
+            # SGLang 0.5.20 compatibility: before flush_pending_backups() existed,
+            # check_hicache_events submitted nothing, so there are no held writes.
+            pending = pending and hasattr(type(self.cache), "flush_pending_backups")
             (self.cc.pending_writes if pending else self.cc.ack_write_queue).append(ack)
         else:
             self.cache.ongoing_load_back[uid] = (uid, None, None)
@@ -253,8 +256,13 @@ def build_cache(
     storage: bool = False,
     extra_pools: tuple[str, ...] = (),
     host_memory_mode: str = "cache",
+    metrics_labels: Optional[dict] = None,
 ) -> SimCache:
-    """A real UnifiedRadixCache wired to a SimController."""
+    """A real UnifiedRadixCache wired to a SimController. ``metrics_labels``
+    stand for --enable-metrics: the cache gets a metrics collector carrying them
+    (SGLang's RadixCacheMetricsCollector registers its families once per process,
+    and the plugin reads only its labels; simulated acks carry no sizes or
+    timings, so upstream never records into it)."""
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     cc = SimController(extra_pools)
@@ -277,7 +285,9 @@ def build_cache(
         buffer_pipeline=None,
         enable_storage_metrics=False,
         storage_metrics_collector=None,
-        metrics_collector=None,
+        metrics_collector=None
+        if metrics_labels is None
+        else SimpleNamespace(labels=metrics_labels),
         ongoing_write_through={},
         ongoing_load_back={},
         ongoing_backup={},

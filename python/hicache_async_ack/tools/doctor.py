@@ -2,8 +2,9 @@
 the blocking path cost on this host?
 
 Exit status 0 when SGLang's loader would pick the plugin up and it would run
-(installed entry point, allowed by SGLANG_PLUGINS, enabled, valid settings,
-supported SGLang); 1 otherwise. The gloo latency measurement is informational.
+(installed entry point, allowed by SGLANG_PLUGINS, enabled, valid settings, an
+SGLang whose fingerprints match a tested release or the untested opt-in); 1
+otherwise. The gloo latency measurement is informational.
 """
 
 from __future__ import annotations
@@ -17,16 +18,20 @@ from typing import Any, Callable, Optional
 
 from .. import __version__
 from ..env import (
+    ALLOW_UNTESTED_DEFAULT,
+    ALLOW_UNTESTED_VAR,
     DEPTH_DEFAULT,
     DEPTH_VAR,
     ENABLE_DEFAULT,
     ENABLE_VAR,
     ENTRY_POINT_NAME,
     PLUGINS_VAR,
+    allow_untested,
     parse_bool,
     parse_depth,
     plugin_whitelisted,
 )
+from ..upstream import check_installed
 from .options import int_in, subcommand
 from .ranks import Job, run_ranks
 
@@ -96,6 +101,69 @@ def _entry_point():
     return None
 
 
+def _add_settings(rep: Report) -> None:
+    """The plugin's variables, as register() would read them."""
+    settings: tuple[tuple[str, Callable[[str, Optional[str], Any], Any], Any], ...] = (
+        (ENABLE_VAR, parse_bool, ENABLE_DEFAULT),
+        (DEPTH_VAR, parse_depth, DEPTH_DEFAULT),
+        (ALLOW_UNTESTED_VAR, parse_bool, ALLOW_UNTESTED_DEFAULT),
+    )
+    for var, parse, default in settings:
+        raw = os.environ.get(var)
+        shown = "unset" if raw is None else repr(raw)
+        default_note = " (default)" if raw in (None, "") else ""
+        try:
+            value = parse(var, raw, default)
+        except ValueError as exc:
+            rep.add(var, f"{shown} -> INVALID: {exc}")
+            rep.block(f"{var} is invalid: HiCache init would raise and the server not start")
+            continue
+        if var == ENABLE_VAR:
+            rep.add(var, f"{shown} -> {'enabled' if value else 'DISABLED'}{default_note}")
+            if not value:
+                rep.block(f"{ENABLE_VAR}={raw} keeps the blocking path")
+        elif var == ALLOW_UNTESTED_VAR:
+            allowed = "runs" if value else "stays inert"
+            rep.add(var, f"{shown} -> on an untested SGLang the plugin {allowed}{default_note}")
+        else:
+            rep.add(var, f"{shown} -> depth {value}{default_note}")
+
+
+def _add_upstream(rep: Report) -> None:
+    """The installed SGLang against the tested releases, fingerprint by fingerprint."""
+    try:
+        untested_ok = allow_untested()
+    except ValueError:
+        untested_ok = False  # reported (and blocking) with the settings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        verdict = check_installed()
+    where = "in" if verdict.in_range else "OUTSIDE"
+    rep.add(
+        "tested range",
+        f"SGLang {verdict.range_text} ({', '.join(verdict.tested)}): "
+        f"{verdict.installed or 'none installed'} is {where} it",
+    )
+    rep.add("fingerprints", "each method the hooks wrap or rely on, against the recorded ones")
+    for m in verdict.methods:
+        rep.add(f"  {m.target.label}", m.describe())
+    if verdict.status == "tested":
+        rep.add("supported", f"yes: {verdict.summary()}")
+    elif verdict.status == "incompatible":
+        rep.add("supported", f"NO: {verdict.summary()}")
+        rep.block(f"this SGLang is incompatible (tested: {verdict.range_text})")
+    elif untested_ok:
+        rep.add(
+            "supported", f"UNTESTED, running anyway ({ALLOW_UNTESTED_VAR}): {verdict.summary()}"
+        )
+    else:
+        rep.add("supported", f"NO: {verdict.summary()}")
+        rep.block(
+            f"this SGLang is untested (tested: {verdict.range_text}); "
+            f"{ALLOW_UNTESTED_VAR}=1 runs the plugin anyway"
+        )
+
+
 def diagnose(tp: int, step_ms: float, rounds: int) -> Report:
     from importlib import metadata
 
@@ -123,16 +191,7 @@ def diagnose(tp: int, step_ms: float, rounds: int) -> Report:
     rep.add("SGLang", sglang_version or "not installed")
     rep.add("torch", torch_version or "not installed")
 
-    from ..sglang_plugin import CHECKED_AGAINST, upstream_shape_problems
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        problems = upstream_shape_problems()
-    if problems:
-        rep.add("supported", "NO: " + "; ".join(problems))
-        rep.block(f"this SGLang is not supported (checked against {CHECKED_AGAINST})")
-    else:
-        rep.add("supported", f"yes (hooked methods match; checked against {CHECKED_AGAINST})")
+    _add_upstream(rep)
 
     ep = _entry_point()
     if ep is None:
@@ -148,30 +207,7 @@ def diagnose(tp: int, step_ms: float, rounds: int) -> Report:
     else:
         rep.add(PLUGINS_VAR, f"{raw_plugins!r} -> SKIPPED ({ENTRY_POINT_NAME} not listed)")
         rep.block(f"{PLUGINS_VAR}={raw_plugins!r} does not list {ENTRY_POINT_NAME}")
-
-    settings: tuple[tuple[str, Callable[[str, Optional[str], Any], Any], Any], ...] = (
-        (ENABLE_VAR, parse_bool, ENABLE_DEFAULT),
-        (DEPTH_VAR, parse_depth, DEPTH_DEFAULT),
-    )
-    for var, parse, default in settings:
-        raw = os.environ.get(var)
-        shown = "unset" if raw is None else repr(raw)
-        try:
-            value = parse(var, raw, default)
-        except ValueError as exc:
-            rep.add(var, f"{shown} -> INVALID: {exc}")
-            rep.block(f"{var} is invalid: HiCache init would raise and the server not start")
-            continue
-        if var == ENABLE_VAR:
-            rep.add(
-                var,
-                f"{shown} -> {'enabled' if value else 'DISABLED'}"
-                + (" (default)" if raw in (None, "") else ""),
-            )
-            if not value:
-                rep.block(f"{ENABLE_VAR}={raw} keeps the blocking path")
-        else:
-            rep.add(var, f"{shown} -> depth {value}" + (" (default)" if raw in (None, "") else ""))
+    _add_settings(rep)
 
     if rounds > 0:
         try:

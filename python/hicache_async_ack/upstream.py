@@ -1,0 +1,376 @@
+"""Which SGLang releases the plugin is tested on, and whether the installed SGLang
+behaves like one of them.
+
+The hooks replace one blocking reduce inside ``UnifiedRadixCache.check_hicache_events``
+and hand upstream's own pop methods the agreed counts. That is only right while those
+methods do what they did on a tested release: a same-named method with the same
+signature can still return one more field, or pop in another order. So the guard
+fingerprints what each method the hooks wrap or rely on *does*
+(:mod:`hicache_async_ack.fingerprint`) in the installed SGLang at load time, and
+compares them with the table recorded from the real wheels of every tested release
+(``upstream_fingerprints.json``, written only by
+``python -m hicache_async_ack.tools.releases record``).
+
+Verdicts (:func:`check_installed`):
+
+- **tested**: every fingerprint equals one tested release's. The plugin runs, whatever
+  the version string says (a rebuild or a newer release with the same methods is as
+  good as the one recorded).
+- **untested**: no tested release has all these fingerprints (a body changed). The
+  plugin stays inert and names the methods, unless the operator sets
+  ``SGLANG_HICACHE_ASYNC_ACK_ALLOW_UNTESTED=1``.
+- **incompatible**: a method is missing or takes other parameters than the hooks pass.
+  Inert even with the opt-in: no setting makes a call with the wrong arguments work.
+
+docs/versions.md says how to widen the range when SGLang releases.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+from .fingerprint import (
+    BODY,
+    SCHEME,
+    SIGNATURE,
+    find_def,
+    fingerprint_def,
+    module_source_path,
+    param_names,
+    parse_function_source,
+)
+
+TABLE_PATH = Path(__file__).with_name("upstream_fingerprints.json")
+
+CACHE_MODULE = "sglang.srt.mem_cache.unified_radix_cache"
+CACHE_CLASS = f"{CACHE_MODULE}.UnifiedRadixCache"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One upstream function the plugin wraps or relies on."""
+
+    module: str
+    qualname: str
+    # the parameter names the plugin passes (None: it never calls it)
+    params: Optional[tuple[str, ...]]
+    scope: str  # BODY or SIGNATURE
+    why: str
+
+    @property
+    def label(self) -> str:
+        return self.qualname.removeprefix("UnifiedRadixCache.")
+
+
+_URC = CACHE_MODULE
+TARGETS: tuple[Target, ...] = (
+    Target(
+        _URC,
+        "UnifiedRadixCache.check_hicache_events",
+        ("self",),
+        BODY,
+        "hooked AROUND: the pipelined step runs it with the agreed counts",
+    ),
+    Target(
+        _URC,
+        "UnifiedRadixCache._sync_hicache_ready_counts",
+        ("self",),
+        BODY,
+        "hooked AROUND: the plugin answers it; the tuple it returns and what it counts",
+    ),
+    Target(
+        _URC,
+        "UnifiedRadixCache.init_hicache",
+        ("self", "server_args", "params"),
+        SIGNATURE,
+        "hooked AFTER: only when it runs and its arguments (what it builds is checked "
+        "per cache at run time)",
+    ),
+    Target(
+        _URC,
+        "UnifiedRadixCache.writing_check",
+        ("self", "write_back", "finish_count"),
+        BODY,
+        "pops the agreed number of write acks",
+    ),
+    Target(
+        _URC,
+        "UnifiedRadixCache.loading_check",
+        ("self", "finish_count"),
+        BODY,
+        "pops the agreed number of load acks",
+    ),
+    Target(
+        _URC,
+        "UnifiedRadixCache._count_ready_acks",
+        ("self", "ack_queue"),
+        BODY,
+        "counts the ready head of an ack queue; the plugin reduces that count",
+    ),
+    Target(
+        _URC,
+        "UnifiedRadixCache._drain_storage_control_queues_impl",
+        (
+            "self",
+            "n_storage_hit",
+            "n_ack_prefetch",
+            "n_backup",
+            "n_release",
+            "extra_release_counts",
+            "log_metrics",
+        ),
+        BODY,
+        "pops the agreed number of storage control entries",
+    ),
+    Target(
+        _URC,
+        "UnifiedRadixCache._all_reduce",
+        None,
+        BODY,
+        "the reduce the plugin replaces (pp_size 1: the attention groups only)",
+    ),
+    Target(
+        _URC,
+        "UnifiedRadixCache._all_reduce_attn_groups",
+        None,
+        BODY,
+        "the groups upstream reduces over; the plugin picks the same",
+    ),
+    Target(
+        "sglang.srt.plugins.hook_registry",
+        "_wrap_fn",
+        None,
+        BODY,
+        "how SGLang's HookRegistry calls AROUND and AFTER hooks",
+    ),
+)
+
+
+# ------------------------------------------------------------------- probing
+@dataclass(frozen=True)
+class Probe:
+    """What one target looks like in the SGLang at hand."""
+
+    target: Target
+    fingerprint: Optional[str] = None
+    params: Optional[tuple[str, ...]] = None
+    missing: Optional[str] = None  # why it could not be found
+    unreadable: Optional[str] = None  # found, but its source could not be read
+
+
+def probe_node(target: Target, node: ast.AST) -> Probe:
+    return Probe(target, fingerprint_def(node, target.scope), param_names(node))
+
+
+def probe_live(target: Target) -> Probe:
+    """Probe the imported SGLang."""
+    try:
+        obj: Any = importlib.import_module(target.module)
+    except Exception as exc:  # any import failure: not there
+        return Probe(target, missing=f"cannot import {target.module}: {exc!r}")
+    for part in target.qualname.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return Probe(target, missing=f"{target.module} has no {target.qualname}")
+    if not callable(obj):
+        return Probe(target, missing=f"{target.qualname} is not callable")
+    try:
+        node = parse_function_source(inspect.getsource(inspect.unwrap(obj)))
+    except Exception as exc:  # no source shipped (compiled only), or not a def
+        return Probe(target, unreadable=f"source not readable: {exc!r}")
+    return probe_node(target, node)
+
+
+def probe_sources(read: Callable[[str], Optional[str]]) -> list[Probe]:
+    """Probe an SGLang that is not imported (a downloaded wheel): ``read`` gives a
+    file's text by its path inside the wheel, or None when it has no such file."""
+    trees: dict[str, Optional[ast.Module]] = {}
+    probes = []
+    for target in TARGETS:
+        if target.module not in trees:
+            texts = (read(p) for p in module_source_path(target.module))
+            text = next((t for t in texts if t is not None), None)
+            trees[target.module] = None if text is None else ast.parse(text)
+        tree = trees[target.module]
+        node = None if tree is None else find_def(tree, target.qualname)
+        if node is None:
+            where = "module" if tree is None else "definition"
+            probes.append(
+                Probe(target, missing=f"no {where} for {target.module}.{target.qualname}")
+            )
+        else:
+            probes.append(probe_node(target, node))
+    return probes
+
+
+# ---------------------------------------------------------------- the table
+def load_table(path: Optional[Path] = None) -> dict[str, dict[str, Optional[str]]]:
+    """Recorded fingerprints: {release: {qualname: fingerprint or None}}."""
+    path = TABLE_PATH if path is None else path
+    data = json.loads(path.read_text())
+    if data.get("scheme") != SCHEME:
+        raise ValueError(
+            f"{path.name} was recorded with fingerprint scheme {data.get('scheme')!r}, "
+            f"this plugin computes {SCHEME!r}: record it again"
+        )
+    return data["releases"]
+
+
+def release_key(version: str) -> tuple[int, ...]:
+    """The numeric release part of a version string ("0.5.23.post1" -> (0, 5, 23))."""
+    m = re.match(r"\d+(?:\.\d+)*", version.strip().lstrip("v"))
+    return tuple(int(x) for x in m.group(0).split(".")) if m else ()
+
+
+def tested_releases(table: Optional[dict] = None) -> list[str]:
+    """The tested releases, oldest first."""
+    return sorted(load_table() if table is None else table, key=release_key)
+
+
+def in_tested_range(version: Optional[str], tested: Iterable[str]) -> bool:
+    """Whether a version string falls between the oldest and newest tested release."""
+    keys = sorted(release_key(r) for r in tested)
+    key = release_key(version or "")
+    return bool(key) and keys[0] <= key <= keys[-1]
+
+
+def installed_version() -> Optional[str]:
+    """The installed SGLang's version string (the first on the path, as for the import)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+# ---------------------------------------------------------------- the verdict
+@dataclass(frozen=True)
+class MethodVerdict:
+    probe: Probe
+    same_as: tuple[str, ...]  # tested releases with this exact fingerprint
+    signature: Optional[str] = None  # why the parameters do not fit the hooks
+
+    @property
+    def target(self) -> Target:
+        return self.probe.target
+
+    @property
+    def blocking(self) -> Optional[str]:
+        """A problem the opt-in cannot override (missing, or other parameters)."""
+        return self.probe.missing or self.signature
+
+    def describe(self) -> str:
+        if self.blocking:
+            return f"INCOMPATIBLE: {self.blocking}"
+        if self.probe.unreadable:
+            return f"UNKNOWN: {self.probe.unreadable}"
+        if self.same_as:
+            return f"same as {', '.join(self.same_as)} ({self.probe.fingerprint})"
+        return f"CHANGED: matches no tested release ({self.probe.fingerprint})"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    installed: Optional[str]  # the version string
+    tested: tuple[str, ...]  # the tested releases, oldest first
+    methods: tuple[MethodVerdict, ...]
+    matched: tuple[str, ...]  # tested releases whose every fingerprint matches
+    reference: str  # the tested release differences are reported against
+
+    @property
+    def in_range(self) -> bool:
+        return in_tested_range(self.installed, self.tested)
+
+    @property
+    def range_text(self) -> str:
+        return f"{self.tested[0]} to {self.tested[-1]}"
+
+    @property
+    def incompatible(self) -> list[str]:
+        """Problems the opt-in cannot override, each said once (a module that
+        cannot be imported is one problem, not one per method)."""
+        return list(dict.fromkeys(m.blocking for m in self.methods if m.blocking))
+
+    @property
+    def changed(self) -> list[str]:
+        """Methods whose fingerprint differs from the reference release's."""
+        return [m.target.qualname for m in self.methods if self.reference not in m.same_as]
+
+    @property
+    def status(self) -> str:
+        if self.incompatible:
+            return "incompatible"
+        return "tested" if self.matched else "untested"
+
+    @property
+    def release(self) -> Optional[str]:
+        """The tested release this SGLang behaves like (its own version when that
+        is one of them), or None."""
+        if self.installed in self.matched:
+            return self.installed
+        return self.matched[-1] if self.matched else None
+
+    def summary(self) -> str:
+        """One line: what was found and what follows."""
+        shown = f"SGLang {self.installed or '(version unknown)'}"
+        if self.status == "tested":
+            line = f"{shown} matches tested release {self.release}"
+            if self.installed != self.release:
+                where = "inside" if self.in_range else "outside"
+                line += (
+                    f" method for method (its version string is {where} the tested "
+                    f"range {self.range_text})"
+                )
+            return line
+        if self.status == "incompatible":
+            return f"{shown} is incompatible: " + "; ".join(self.incompatible)
+        where = "in" if self.in_range else "outside"
+        recorded = "what was recorded for" if self.reference == self.installed else "release"
+        return (
+            f"{shown} ({where} the tested range {self.range_text}) is untested: "
+            f"{', '.join(self.changed)} differ{'s' if len(self.changed) == 1 else ''} "
+            f"from {recorded} {self.reference}"
+        )
+
+
+def judge(
+    probes: list[Probe],
+    installed: Optional[str],
+    table: Optional[dict[str, dict[str, Optional[str]]]] = None,
+) -> Verdict:
+    table = load_table() if table is None else table
+    tested = tuple(tested_releases(table))
+    methods = []
+    for p in probes:
+        signature = None
+        t = p.target
+        if p.params is not None and t.params is not None and p.params != t.params:
+            signature = (
+                f"{t.qualname} takes ({', '.join(p.params)}), "
+                f"the hooks pass ({', '.join(t.params)})"
+            )
+        same = tuple(
+            r for r in tested if p.fingerprint and table[r].get(t.qualname) == p.fingerprint
+        )
+        methods.append(MethodVerdict(p, same, signature))
+    matched = tuple(r for r in tested if all(r in m.same_as for m in methods))
+
+    def score(release: str) -> tuple[int, tuple[int, ...]]:
+        return sum(release in m.same_as for m in methods), release_key(release)
+
+    reference = installed if installed is not None and installed in tested else None
+    return Verdict(installed, tested, tuple(methods), matched, reference or max(tested, key=score))
+
+
+def check_installed() -> Verdict:
+    """The verdict on the SGLang this process imports. Never raises for SGLang's sake:
+    anything that cannot be imported or read is reported in the verdict."""
+    return judge([probe_live(t) for t in TARGETS], installed_version())
