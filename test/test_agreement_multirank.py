@@ -71,7 +71,7 @@ def test_other_depth_on_one_rank_stops_every_rank_before_any_pop(runs):
     for rank, per in enumerate(runs["settings"]):
         r = per["other_depth"]
         err = r.get("error", "")
-        assert "HiCacheAckSyncError" in err and "the lag depth differs" in err, (rank, err)
+        assert "HiCacheAckSyncMismatch" in err and "the lag depth differs" in err, (rank, err)
         assert "group min 1, max 2" in err and DEPTH_VAR in err, err
         assert "Nothing was popped" in err
         mine = "2" if rank == 1 else "1"

@@ -76,8 +76,15 @@ def runs(tmp_path_factory):
         + ["--inject-latency-ms", "1", "--out", str(tmp / "v.jsonl")],
         tmp,
     )
-    out = {"main": _finish(main), "variant": _finish(variant), "dir": tmp}
-    for name in ("main", "variant"):
+    phases = _start(
+        ["bench", *short, "--steps", "40", "--warmup", "2", "--arms", "bound,pipelined"]
+        + ["--depth", "1,auto", "--inject-latency-ms", "0:15,9:15,0"]
+        + ["--out", str(tmp / "p.jsonl")],
+        tmp,
+    )
+    out = {"main": _finish(main), "variant": _finish(variant), "phases": _finish(phases)}
+    out["dir"] = tmp
+    for name in ("main", "variant", "phases"):
         rc, stdout, stderr = out[name]
         assert rc == 0, f"{name}\nstdout:\n{stdout}\nstderr:\n{stderr}"
     return out
@@ -99,20 +106,34 @@ def test_bench_record_names_config_and_versions(runs):
 
 def test_bench_every_arm_has_its_figures_and_no_violation(runs):
     rec = _record(runs, "r")
-    assert set(rec["arms"]) == {"l1", "blocking", "pipelined"}
+    assert list(rec["arms"]) == ["l1", "blocking", "bound", "floor", "pipelined"]
     for arm, figures in rec["arms"].items():
         for field in ARM_FIELDS:
             assert field in figures, (arm, field)
         assert figures["violations"] == [], (arm, figures["violations"])
         assert figures["steps_per_s"] > 0
-        assert figures["throughput_vs_l1"] > 0
+        assert figures["throughput_vs_l1"] > 0 and figures["throughput_vs_bound"] > 0
     assert rec["arms"]["l1"]["check_ms"] is None
     assert rec["arms"]["l1"]["acks_popped"] == 0
-    for arm in ("blocking", "pipelined"):
+    for arm in ("blocking", "bound", "floor", "pipelined"):
         assert set(rec["arms"][arm]["check_ms"]) >= {"median", "p90", "p99"}
     stdout = runs["main"][1]
-    for arm in ("l1", "blocking", "pipelined"):
+    for arm in ("l1", "blocking", "bound", "floor", "pipelined"):
         assert arm in stdout
+
+
+def test_bench_measures_against_the_bound_and_the_floor(runs):
+    rec = _record(runs, "r")
+    assert rec["arms"]["bound"]["throughput_vs_bound"] == 1.0
+    assert rec["arms"]["bound"]["path"].startswith("stock check, collective replaced")
+    assert rec["arms"]["floor"]["path"].startswith("the bound + one async MIN all_reduce per step")
+    lim = rec["limits"]["pipelined"]
+    # the split adds up: what is left = the collective's share + the plugin's own
+    assert lim["sync_cost_left"] == pytest.approx(lim["collective_share"] + lim["plugin_share"])
+    med = {a: rec["arms"][a]["check_ms"]["median"] for a in ("blocking", "bound", "pipelined")}
+    span = med["blocking"] - med["bound"]
+    assert lim["sync_cost_left"] == pytest.approx((med["pipelined"] - med["bound"]) / span)
+    assert "against the limit" in runs["main"][1] and "sync cost left" in runs["main"][1]
 
 
 def test_bench_pipelined_arm_really_pipelines_the_same_workload(runs):
@@ -125,6 +146,19 @@ def test_bench_pipelined_arm_really_pipelines_the_same_workload(runs):
     assert abs(pipe["acks_popped"] - blocking["acks_popped"]) <= 20
     # acks are popped later on the pipelined path (about one step at depth 1)
     assert pipe["mean_lag_steps"] > 0
+
+
+def test_bench_latency_phases_and_one_arm_per_depth(runs):
+    rec = _record(runs, "p")
+    assert list(rec["arms"]) == ["bound", "pipelined@1", "pipelined@auto"]
+    assert rec["config"]["latency_phases"] == [[0.0, 15], [9.0, 15], [0.0, 10]]
+    for arm, figures in rec["arms"].items():
+        assert [p["steps"] for p in figures["phases"]] == [15, 15, 10], arm
+        assert figures["violations"] == [], arm
+    assert "auto" in rec["arms"]["pipelined@auto"]["path"]
+    fixed = rec["arms"]["pipelined@1"]["phases"]
+    assert {p["mean_depth"] for p in fixed} == {1.0}
+    assert "per phase" in runs["phases"][1]
 
 
 def test_bench_writes_the_png(runs):
@@ -147,10 +181,14 @@ def test_bench_variant_storage_dedicated_depth2_latency(runs):
     [
         (["--tp", "0"], "accepted values: an integer from 1 to 64"),
         (["--steps", "3"], "accepted values: an integer >= 20"),
-        (["--arms", "bogus"], "accepted values: l1, blocking, pipelined"),
-        (["--arms", "l1,bogus"], "accepted values: l1, blocking, pipelined"),
-        (["--depth", "9"], "accepted values: an integer from 1 to 8"),
+        (["--arms", "bogus"], "l1, blocking, bound, floor, pipelined"),
+        (["--arms", "l1,bogus"], "l1, blocking, bound, floor, pipelined"),
+        (["--arms", "l1,l1"], "without repeats"),
+        (["--depth", "9"], "accepted values: integers from 1 to 8 or 'auto'"),
+        (["--depth", "1,sometimes"], "accepted values: integers from 1 to 8 or 'auto'"),
         (["--inject-latency-ms", "-1"], "accepted values: a number >= 0 (milliseconds)"),
+        (["--inject-latency-ms", "2,25:10"], "each phase but the last with its measured step"),
+        (["--inject-latency-ms", "2:x,3"], "accepted values: a number >= 0"),
         (["--timeout", "-1"], "accepted values: a number >= 0 (seconds)"),
         (["--reduce-group", "other"], "'shared', 'dedicated'"),
     ],

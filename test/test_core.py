@@ -225,30 +225,44 @@ def test_plugins_whitelist():
 # ---------------------------------------------------------------- auto depth
 def test_auto_depth_raises_after_consecutive_waits_and_ignores_stale_ones():
     rule = core.AutoDepth(raise_after=2, lower_after=3)
-    waited = core.observation(0.001, next_pending=False)
+    waited = core.observation(0.001, next_pending=False, step_s=0.01)
     assert rule.update(waited, issued_step=1, now_step=1) == 1  # one wait: noise
     assert rule.update(waited, issued_step=2, now_step=2) == 2  # two in a row: raise
-    # observations from reduces issued before the change describe the old depth
-    assert rule.update(waited, issued_step=2, now_step=3) == 2
-    assert rule.update(waited, issued_step=3, now_step=4) == 2
-    assert rule.update(waited, issued_step=4, now_step=5) == 3
-    assert rule.changes == [(2, 1, 2), (5, 2, 3)]
+    # reduces issued up to 2 after the change carry what the old depth saw
+    for issued in (3, 4):
+        assert rule.update(waited, issued_step=issued, now_step=issued + 1) == 2
+    assert rule.update(waited, issued_step=5, now_step=6) == 2
+    assert rule.update(waited, issued_step=6, now_step=7) == 3
+    assert rule.changes == [(2, 1, 2), (7, 2, 3)]
 
 
 def test_auto_depth_lowers_after_a_clean_streak_and_never_past_its_bounds():
     rule = core.AutoDepth(lo=1, hi=2, raise_after=1, lower_after=3, depth=2)
-    clean, pending = core.observation(0.0, False), core.observation(0.0, True)
+    clean, pending = core.observation(0.0, False, 0.01), core.observation(0.0, True, 0.01)
     step = 0
     for obs in (clean, clean, pending, clean, clean):
         step += 1
         assert rule.update(obs, step, step) == 2  # the streak restarted
     assert rule.update(clean, 6, 6) == 1
-    assert rule.update(core.observation(0.005, False), 7, 7) == 2
-    assert rule.update(core.observation(0.005, False), 8, 8) == 2  # hi bound
+    waited = core.observation(0.005, False, 0.01)
+    assert rule.update(waited, 8, 9) == 1  # issued before the change settled
+    assert rule.update(waited, 9, 10) == 2
+    assert rule.update(waited, 12, 13) == 2  # hi bound
 
 
 def test_short_waits_are_noise_and_any_wait_outranks_next_pending():
-    assert core.observation(core.WAIT_FLOOR_S / 2, False) == 0
-    assert core.observation(0.0, True) == 1
-    assert core.observation(core.WAIT_FLOOR_S, False) > core.observation(0.0, True)
-    assert core.observation(10.0, True) == core.OBS_MAX
+    step = 0.01
+    assert core.observation(core.WAIT_FLOOR_S / 2, False, step) == 0
+    assert core.observation(0.0, True, step) == 1
+    assert core.observation(core.WAIT_FLOOR_S, False, step) > core.observation(0.0, True, step)
+    assert core.observation(100.0, True, step) == core.OBS_MAX  # saturates
+
+
+def test_a_wait_of_several_steps_raises_by_that_many_at_once():
+    """A reduce 25 ms late at 12 ms steps, seen at depth 1: 13 ms of waiting is
+    two steps short, so the depth goes to 3 on the first agreed observation."""
+    rule = core.AutoDepth(raise_after=2)
+    obs = core.observation(0.013, next_pending=True, step_s=0.012)
+    assert obs >> 1 == 2
+    assert rule.update(obs, issued_step=1, now_step=1) == 3
+    assert core.AutoDepth(depth=7).update(obs, 1, 1) == 8  # never past hi

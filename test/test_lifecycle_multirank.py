@@ -24,14 +24,17 @@ RUNS = [
     ("lifecycle_depth1_b", 3000, {}),
     ("lifecycle_depth2", 2000, {DEPTH_VAR: "2"}),
     ("lifecycle_depth3", 1500, {DEPTH_VAR: "3"}),
+    ("lifecycle_auto", 1500, {DEPTH_VAR: "auto"}),
     ("lifecycle_blocking", 600, {ENABLE_VAR: "0"}),
 ]
+# auto depth under a reduce latency that changes over time: [from step, ms]
+EXTRA = {"lifecycle_auto": dict(latency_ms=[[0, 0], [400, 3], [800, 0.5], [1100, 0]])}
 
 
 @pytest.fixture(scope="module")
 def results():
     specs = [
-        dict(LIFECYCLE, name=name, seed=100 + i, steps=steps, env=env)
+        dict(LIFECYCLE, name=name, seed=100 + i, steps=steps, env=env, **EXTRA.get(name, {}))
         for i, (name, steps, env) in enumerate(RUNS)
     ]
     specs.append(dict(name="digest_divergence", seed=7, steps=40, diverge_at=20, expect_error=True))
@@ -62,6 +65,12 @@ def test_lifecycle_symmetric_nothing_lost_no_hang(results, name):
     assert sum(len(post) for _, post in r0["pops"]) > 0
 
 
+def test_auto_depth_moved_under_latency_on_every_rank_at_once(results):
+    depths = [r["lifecycle_auto"]["depths"] for r in results]
+    assert all(d == depths[0] for d in depths)
+    assert max(depths[0][400:800]) > depths[0][0] == 1
+
+
 def test_enough_real_pipelined_steps(results):
     """Counted from what the ranks really ran, pipelined, without an error."""
     for rank, r in enumerate(results):
@@ -73,7 +82,7 @@ def test_enough_real_pipelined_steps(results):
 def test_digest_divergence_raises_on_every_rank(results):
     for rank, r in enumerate(results):
         err = r["digest_divergence"].get("error", "")
-        assert "HiCacheAckSyncError" in err and "ranks diverged" in err, (rank, err)
+        assert "HiCacheAckSyncMismatch" in err and "ranks diverged" in err, (rank, err)
 
 
 def test_killed_rank_surfaces_on_every_survivor():

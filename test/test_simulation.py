@@ -12,6 +12,7 @@ the same sequence on every rank; at the end nothing is left queued.
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 
 import pytest
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 
 from hicache_async_ack import ack_sync, core
 from hicache_async_ack.env import DEPTH_VAR
+from hicache_async_ack.testing import scenarios
 from hicache_async_ack.testing.collectives import MinHub
 from hicache_async_ack.testing.scenarios import (
     ACK_KINDS,
@@ -31,8 +33,13 @@ from hicache_async_ack.testing.scenarios import (
 
 
 def _route_through_hub(mp: pytest.MonkeyPatch) -> None:
+    """The hub as the collective; the scenarios' settings (they write them to
+    os.environ, as a rank would) restored for the tests that run after."""
     mp.setattr(ack_sync, "collective_factory", lambda g: g.hub.collective(g.rank))
     mp.setattr(ack_sync, "world_size", lambda g: g.size)
+    mp.setattr(scenarios, "process_settings", None)
+    for var in scenarios.SETTINGS_VARS:
+        mp.delenv(var, raising=False)
 
 
 @pytest.fixture
@@ -45,12 +52,14 @@ def simulate(
     seed: int,
     steps: int,
     world: int = 4,
-    depth: int = 1,
+    depth: int | str = 1,
     storage: bool = True,
     event_p: float = 0.1,
     events=EVENTS,
+    latency: tuple[tuple[int, int], ...] = (),
 ) -> dict:
-    """Run one seeded scenario; raises AssertionError naming the step on failure."""
+    """Run one seeded scenario; raises AssertionError naming the step on failure.
+    ``latency``: ((from step, reduce latency in steps), ...)."""
     spec = dict(
         seed=seed,
         steps=steps,
@@ -67,8 +76,13 @@ def simulate(
     for d in drivers:
         assert d.state.sync is not None, d.state.static
         d.sim.cache.__dict__["_all_reduce"] = hub.blocking(d.rank)
-    stats = {"steps": 0, "popped": 0, "events": defaultdict(int)}
+    stats: dict = {"steps": 0, "popped": 0, "events": defaultdict(int), "depths": []}
     for step in range(drivers[0].total_steps):
+        ev = None
+        hub.now = step
+        hub.latency_steps = ([0] + [n for start, n in latency if start <= step])[-1]
+        if latency:
+            time.sleep(hub.step_s)  # a step takes time: waits are measured in steps
         try:
             for d in drivers:
                 d.step_traffic(step)
@@ -92,6 +106,9 @@ def simulate(
                 assert pre[r] == pre[0], f"lifecycle pops differ: rank 0 {pre[0]} rank {r} {pre[r]}"
                 assert post[r] == post[0], f"pops differ: rank 0 {post[0]} rank {r} {post[r]}"
             assert len(set(hub.seq)) == 1, f"collective counts differ {hub.seq}"
+            depths = {d.state.sync.depth for d in drivers if d.state.sync}
+            assert len(depths) == 1, f"ranks run different depths {depths}"
+            stats["depths"].append(depths.pop())
             stats["popped"] += len(pre[0]) + len(post[0])
         except Exception as exc:
             raise AssertionError(
@@ -202,3 +219,28 @@ def test_simulation_detects_count_only_pops(sim_plugin, monkeypatch):
     monkeypatch.setattr(core, "still_queued", lambda agreed, head: min(len(agreed), len(head)))
     with pytest.raises(AssertionError):
         simulate(seed=3, steps=400, event_p=0.2)
+
+
+# ---------------------------------------------------------------- auto depth
+# Reduce latency in steps, by phase: hidden at depth 1, then only at depth 3,
+# then hidden again. The depth must follow, on every rank at the same step.
+PHASES = ((0, 0), (300, 3), (600, 0))
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_auto_depth_follows_latency_with_symmetric_pops_and_nothing_lost(sim_plugin, seed):
+    stats = run_or_explain(dict(seed=seed, steps=900, depth="auto", latency=PHASES, event_p=0.05))
+    depths = stats["depths"]
+    assert set(depths[:300]) == {1}  # nothing to hide: stays at 1
+    assert max(depths[300:600]) == 3 and depths[599] == 3  # the smallest that hides 3
+    assert depths[-1] == 1 and 1 in depths[600:700]  # back down once latency drops
+    changes = [i for i in range(1, len(depths)) if depths[i] != depths[i - 1]]
+    assert len(changes) <= 6, changes  # 1->2->3, 3->2->1: no flapping
+
+
+def test_auto_depth_under_lifecycle_events_and_changing_latency(sim_plugin):
+    """Resets, flushes, storage detach/attach while the depth moves."""
+    latency = ((0, 0), (50, 2), (120, 5), (200, 1), (280, 0))
+    stats = run_or_explain(dict(seed=7, steps=400, depth="auto", latency=latency, event_p=0.2))
+    assert max(stats["depths"]) >= 4 and stats["depths"][-1] <= 2
+    assert sum(stats["events"].values()) > 40

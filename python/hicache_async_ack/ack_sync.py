@@ -11,10 +11,18 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional
 
-from .core import AutoDepth, Consumed, HiCacheAckSyncError, PipelinedAckSync
+from .core import (
+    DEPTH_LIMIT,
+    AutoDepth,
+    Consumed,
+    HiCacheAckSyncError,
+    HiCacheAckSyncMismatch,
+    PipelinedAckSync,
+)
 from .env import DEPTH_MAX, DEPTH_VAR, ENABLE_VAR, Settings, read_settings
 
 logger = logging.getLogger("sglang.srt.mem_cache.hicache_async_ack")
@@ -109,10 +117,11 @@ def spanning_group(cache, cp_group, attn_tp_group):
     After the two reduces rank r holds the MIN over the union of CP(t) for t in
     TP(r). One reduce over group G gives the same iff that union is G for every
     r in G. The candidate is the cache's TP group (it contains both); the check
-    needs every member's CP and TP ranks, so it gathers them once over that group
-    at HiCache init, where every member takes part, and every member reaches the
-    same verdict from the same data. No group is created: with DP attention the
-    union is smaller than the TP group and the cache stays blocking.
+    needs every member's CP and TP ranks, so it gathers them over that group
+    once, when the cache's state is created (every member creates it at the same
+    point), and every member reaches the same verdict from the same data. No
+    group is created: with DP attention the union is smaller than the TP group
+    and the cache stays blocking.
     """
     import torch.distributed as dist
 
@@ -170,27 +179,30 @@ def _queue_head(q, n: int) -> list:
 
 
 def ready_entries(cache) -> tuple[dict[Hashable, list], int]:
-    """Entries ready now at the head of each queue, in upstream's tensor order,
-    and the write_back duplicate-reclaim digest."""
+    """Entries ready now at the head of each queue, in upstream's tensor order
+    (fresh lists: the core keeps them until the reduce is consumed), and the
+    write_back duplicate-reclaim digest."""
     cc = cache.cache_controller
-    ready: dict[Hashable, list] = {}
-    for ack_queue in ACK_QUEUES:
-        q = getattr(cc, ack_queue)
-        ready[ack_queue] = q[: cache._count_ready_acks(q)]
+    count = cache._count_ready_acks
+    w, ld = cc.ack_write_queue, cc.ack_load_queue
+    ready: dict[Hashable, list] = {ACK_QUEUES[0]: w[: count(w)], ACK_QUEUES[1]: ld[: count(ld)]}
     if cache.enable_storage:
-        names: list[Hashable] = list(STORAGE_QUEUES)
-        names += [("extra", p) for p in getattr(cc, "extra_host_mem_release_queues", {})]
-        for name in names:
-            q = _queue_by_name(cc, name)
+        for name in STORAGE_QUEUES:
+            q = getattr(cc, name)
             with q.mutex:  # every queued storage entry counts; size and refs at once
                 ready[name] = list(q.queue)
+        for pool, q in getattr(cc, "extra_host_mem_release_queues", {}).items():
+            with q.mutex:
+                ready[("extra", pool)] = list(q.queue)
     return ready, int(cache.tree_core.write_back_duplicate_reclaim_digest)
 
 
 def head_reader(cache) -> Callable[[Hashable, int], list]:
-    cc = cache.cache_controller
+    """``head(name, n)``: the first n entries of a queue of the cache's controller
+    (whichever controller the cache holds when called)."""
 
     def head(name: Hashable, n: int) -> list:
+        cc = cache.cache_controller
         return [] if cc is None else _queue_head(_queue_by_name(cc, name), n)
 
     return head
@@ -201,6 +213,8 @@ def upstream_counts(consumed: Optional[Consumed]):
     if consumed is None:
         return 0, 0, (), ()
     pops = consumed.pops
+    if len(pops) == 2:  # storage off: the two ack queues only
+        return pops["ack_write_queue"], pops["ack_load_queue"], (), ()
     storage = tuple(pops[n] for n in pops if n not in ACK_QUEUES)
     extra = tuple(n[1] for n in pops if isinstance(n, tuple))
     return pops["ack_write_queue"], pops["ack_load_queue"], storage, extra
@@ -223,27 +237,49 @@ def pop_agreed(cache, consumed: Consumed) -> None:
 
 
 # ----------------------------------------------------------------- per-cache state
+class _TorchHandle:
+    __slots__ = ("work", "tensor")
+
+    def __init__(self, work, tensor):
+        self.work = work
+        self.tensor = tensor
+
+    def wait(self) -> list[int]:
+        self.work.wait()
+        return self.tensor.tolist()
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
 def torch_min_all_reduce(group) -> Callable[[list[int]], Any]:
+    """An async MIN all_reduce over ``group`` (a torch ProcessGroup, as upstream
+    passes to torch.distributed.all_reduce), issued on the group's own
+    ``allreduce`` into preallocated tensors: per step, this saves a tensor
+    allocation and dist.all_reduce's Python wrapping (docs/bench.md has the
+    measurements). Tensors are reused round-robin, DEPTH_LIMIT + 1 per layout,
+    so one is never refilled while a reduce on it can still be in flight."""
     import torch
     import torch.distributed as dist
 
-    class _Handle:
-        __slots__ = ("work", "tensor")
+    pg = group if group is not None else dist.group.WORLD
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    rings: dict[int, list] = {}  # layout length -> [(tensor, numpy view), ...]
+    turn = itertools.count()
 
-        def __init__(self, values):
-            self.tensor = torch.tensor(values, dtype=torch.int64)
-            self.work = dist.all_reduce(
-                self.tensor, op=dist.ReduceOp.MIN, group=group, async_op=True
-            )
+    def issue(values: list[int]) -> _TorchHandle:
+        ring = rings.get(len(values))
+        if ring is None:
+            ring = rings[len(values)] = []
+            for _ in range(DEPTH_LIMIT + 1):
+                t = torch.zeros(len(values), dtype=torch.int64)
+                ring.append((t, t.numpy()))
+        tensor, view = ring[next(turn) % len(ring)]
+        view[:] = values
+        return _TorchHandle(pg.allreduce([tensor], opts), tensor)
 
-        def wait(self):
-            self.work.wait()
-            return self.tensor.tolist()
-
-        def is_completed(self):
-            return self.work.is_completed()
-
-    return _Handle
+    return issue
 
 
 # group -> Collective; tests and the bench swap in their own collective here.
@@ -267,7 +303,7 @@ class CacheState:
     ):
         self.settings = settings
         self.tag = tag
-        # Metrics sink (see hicache_async_ack.metrics); None costs the step nothing.
+        # Metrics sink (on_path / on_step / on_failure); None costs the step nothing.
         self.metrics: Any = None
         self.static = Decision(False, blocker) if blocker else static_decision(cache)
         self.sync: Optional[PipelinedAckSync] = None
@@ -278,10 +314,12 @@ class CacheState:
                 auto=AutoDepth(hi=DEPTH_MAX) if settings.auto else None,
                 hints={**MISMATCH_HINTS, **(hints or {})},
             )
+        self.head = head_reader(cache)
         self.in_pipelined_step = False
         self.due: Optional[Consumed] = None
         self.due_taken = False  # upstream asked for this step's counts already
         self._announced: Optional[tuple] = None
+        self._last: Optional[Decision] = None
 
     def decide(self, cache) -> Decision:
         if not self.settings.enabled:
@@ -296,10 +334,15 @@ class CacheState:
     def announce(self, decision: Decision) -> None:
         """One line per rank (and one more on each change of path). Called every
         step, so it compares before it formats."""
+        if decision is self._last:  # the static decision, step after step
+            return
+        self._last = decision
         key = (decision.pipelined, decision.reason)
         if key == self._announced:
             return
         self._announced = key
+        if self.metrics is not None:
+            self.metrics.on_path(decision.pipelined, self.sync.depth if self.sync else 0)
         tag = f"; {self.tag}" if self.tag else ""
         depth = f"auto from {self.settings.depth}" if self.settings.auto else self.settings.depth
         line = (
@@ -310,6 +353,13 @@ class CacheState:
             + (f" ({self.tag})" if self.tag else "")
         )
         logger.info(line)
+
+    def depth_changed(self, before: int, after: int) -> None:
+        """Auto depth moved (on every rank at this step): say so once."""
+        why = "a rank waited on the due reduce" if after > before else "reduces finish sooner"
+        logger.info("HiCache ack sync: auto depth %d -> %d (%s)", before, after, why)
+        if self.metrics is not None:
+            self.metrics.on_path(True, after)
 
 
 def state_of(cache) -> Optional[CacheState]:
@@ -335,11 +385,11 @@ def pipelined_check_hicache_events(state: CacheState, cache, original, *args, **
     """One scheduler step: consume the due reduce, run upstream's
     check_hicache_events with the agreed counts, then issue the next reduce.
 
-    Numbered as in the design notes: 2 (consume) and 5 (issue) are the ack
-    sync's; 1, 3 and 4 are the cache's own code: it reaps PP work, flushes backups, calls
-    _sync_hicache_ready_counts (answered by :func:`agreed_ready_counts`), pops
-    through writing_check / loading_check / the storage drain and flushes
-    buffers."""
+    In five parts: 2 (consume) and 5 (issue) are the ack sync's; 1, 3 and 4 are
+    the cache's own code: it reaps PP work, flushes
+    backups, calls _sync_hicache_ready_counts (answered by
+    :func:`agreed_ready_counts`), pops through writing_check / loading_check /
+    the storage drain and flushes buffers."""
     decision = state.decide(cache)
     state.announce(decision)
     sync = state.sync
@@ -347,20 +397,28 @@ def pipelined_check_hicache_events(state: CacheState, cache, original, *args, **
         if sync is not None and sync.pending:
             # Consume what is in flight first so every rank leaves the pipelined
             # path with the same pops; the blocking path then syncs the rest.
-            drained = sync.drain(head_reader(cache))
+            drained = sync.drain(state.head)
             if drained is not None:
                 pop_agreed(cache, drained)
         return original(cache, *args, **kwargs)
     assert sync is not None  # a pipelined decision always has a sync
-    state.due = due = sync.consume_due(head_reader(cache))
+    try:
+        return _step(state, sync, cache, original, *args, **kwargs)
+    except HiCacheAckSyncError as exc:
+        if state.metrics is not None:
+            reason = "mismatch" if isinstance(exc, HiCacheAckSyncMismatch) else "failure"
+            state.metrics.on_failure(reason)
+        raise
+
+
+def _step(state: CacheState, sync: PipelinedAckSync, cache, original, *args, **kwargs):
+    metrics = state.metrics  # None: nothing is timed or recorded
+    t0 = time.perf_counter() if metrics is not None else 0.0
+    # Step 2: wait on the due reduce (normally long complete) and reconcile it.
+    state.due = due = sync.consume_due(state.head)
+    t1 = time.perf_counter() if metrics is not None else 0.0
     if due is not None and due.depth_change is not None:
-        logger.info(
-            "HiCache ack sync: auto depth %d -> %d (%s)",
-            *due.depth_change,
-            "a rank waited on the due reduce"
-            if due.depth_change[1] > due.depth_change[0]
-            else "the reduces complete a step sooner",
-        )
+        state.depth_changed(*due.depth_change)
     state.due_taken = False
     state.in_pipelined_step = True
     try:
@@ -369,8 +427,11 @@ def pipelined_check_hicache_events(state: CacheState, cache, original, *args, **
         state.in_pipelined_step = False
         state.due = None
     # Step 5, after the pops: count what is ready now and put it in flight.
+    t2 = time.perf_counter() if metrics is not None else 0.0
     ready, digest = ready_entries(cache)
     sync.issue(ready, digest)
+    if metrics is not None:
+        metrics.on_step(t1 - t0, time.perf_counter() - t2, due.pops if due else {})
     return result
 
 

@@ -29,6 +29,7 @@ that path on the same reduce fails upstream's own digest check, and we name it.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -53,6 +54,11 @@ class HiCacheAckSyncError(RuntimeError):
     """The HiCache ack sync cannot continue on this rank (peer died, timeout,
     divergence, ranks that disagree). Never retried: a retry would
     desynchronise the collectives."""
+
+
+class HiCacheAckSyncMismatch(HiCacheAckSyncError):
+    """The ranks of the group disagree on the protocol, its settings, or the
+    reclaim digest; raised on every pipelining rank before anything is popped."""
 
 
 class Handle(Protocol):
@@ -81,11 +87,7 @@ class Stamp:
     AGREED = ("protocol", "auto", "depth", "digest")
 
     def pack(self) -> int:
-        x = self.protocol
-        x = (x << AUTO_BITS) | int(self.auto)
-        x = (x << DEPTH_BITS) | self.depth
-        x = (x << DIGEST_BITS) | (self.digest % STOCK_LIMIT)
-        return (x << OBS_BITS) | min(max(self.obs, 0), OBS_MAX)
+        return pack_stamp(self.protocol, self.auto, self.depth, self.digest, self.obs)
 
     @classmethod
     def unpack(cls, x: int) -> Stamp:
@@ -97,6 +99,15 @@ class Stamp:
 
     def agreed(self) -> tuple:
         return (self.protocol, self.auto, self.depth, self.digest)
+
+
+def pack_stamp(protocol: int, auto: bool, depth: int, digest: int, obs: int) -> int:
+    """A :class:`Stamp` as the int that rides in the reduce (a digest wider than
+    42 bits is folded into 42: equal digests stay equal)."""
+    x = (protocol << AUTO_BITS) | int(auto)
+    x = (x << DEPTH_BITS) | depth
+    x = (x << DIGEST_BITS) | (digest % STOCK_LIMIT)
+    return (x << OBS_BITS) | min(max(obs, 0), OBS_MAX)
 
 
 def describe_mismatch(mine: Stamp, lo: Stamp, hi: Stamp, hints: Mapping[str, str]) -> str:
@@ -125,28 +136,33 @@ def describe_mismatch(mine: Stamp, lo: Stamp, hi: Stamp, hints: Mapping[str, str
 
 
 # ------------------------------------------------------------------ auto depth
-WAIT_UNIT_S = 100e-6  # the observation counts waits in units of 100 us
 WAIT_FLOOR_S = 200e-6  # shorter waits are noise (the collective's own cost), not latency
 
 
-def observation(waited_s: float, next_pending: bool) -> int:
+def observation(waited_s: float, next_pending: bool, step_s: float) -> int:
     """One rank's observation at a consume, for the group's MAX: how long it
-    waited on the due reduce (0 unless at least WAIT_FLOOR_S) above one bit:
+    waited on the due reduce, in steps of its own (``step_s``: the time between
+    its consumes) rounded up, 0 for a wait under WAIT_FLOOR_S; above one bit:
     whether the reduce after it was still in flight (so one step less depth
     would have waited). Any wait outranks every 'still in flight'."""
-    units = int(waited_s / WAIT_UNIT_S) if waited_s >= WAIT_FLOOR_S else 0
-    return min(OBS_MAX, (units << 1) | int(next_pending))
+    if waited_s < WAIT_FLOOR_S:
+        steps = 0
+    else:
+        steps = max(1, math.ceil(waited_s / step_s)) if step_s > 0 else 1
+    return min(OBS_MAX, (steps << 1) | int(next_pending))
 
 
 @dataclass
 class AutoDepth:
     """The depth rule every rank applies to the same agreed observations at the
     same consume, so the depth moves on every rank at once with no extra
-    collective. Raise by one when some rank waited on ``raise_after``
-    consecutive consumed reduces; lower by one when, on ``lower_after``
-    consecutive ones, every rank found the next reduce already complete.
-    Observations from reduces issued before the last change took effect are
-    ignored (they describe the old depth)."""
+    collective. A rank that waited two steps or more raises the depth by that
+    many at once (a latency step, not noise); a wait under a step raises it by
+    one once some rank waited on ``raise_after`` consecutive consumed reduces.
+    Lower by one when, on ``lower_after`` consecutive ones, every rank found the
+    next reduce already complete. Observations from reduces issued before the
+    last change took effect are ignored (they describe the old depth).
+    ``issued_step`` and ``now_step`` count reduces issued, the same on every rank."""
 
     lo: int = 1
     hi: int = 8
@@ -165,27 +181,35 @@ class AutoDepth:
         self._waits = self._waits + 1 if waited else 0
         self._clean = self._clean + 1 if not waited and not next_pending else 0
         new = self.depth
-        if self._waits >= self.raise_after and self.depth < self.hi:
-            new = self.depth + 1
+        if waited >= 2:
+            new = min(self.hi, self.depth + waited)
+        elif self._waits >= self.raise_after:
+            new = min(self.hi, self.depth + 1)
         elif self._clean >= self.lower_after and self.depth > self.lo:
             new = self.depth - 1
         if new != self.depth:
             self.changes.append((now_step, self.depth, new))
             self.depth, self._waits, self._clean = new, 0, 0
-            self._settled_after = now_step
+            # The next issue carries what this consume saw (the old depth); after
+            # a raise, the one after it too (its step skips the consume).
+            self._settled_after = now_step + 2
         return self.depth
 
 
-@dataclass(frozen=True)
 class _Pending:
-    handle: Handle
-    names: tuple[Hashable, ...]  # queue names, in tensor order
-    ready: tuple[tuple[object, ...], ...]  # entries ready at issue, per queue
-    stamp: Stamp
-    step: int
+    """A reduce in flight and what it was issued over."""
+
+    __slots__ = ("handle", "names", "ready", "x", "step")
+
+    def __init__(self, handle: Handle, names, ready, x: int, step: int):
+        self.handle = handle
+        self.names: tuple[Hashable, ...] = names  # queue names, in tensor order
+        self.ready: tuple[Sequence[object], ...] = ready  # entries ready at issue, per queue
+        self.x = x  # the packed stamp this rank sent
+        self.step = step
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Consumed:
     """Result of consuming the due reduce(s): what to pop now, per queue name."""
 
@@ -194,7 +218,7 @@ class Consumed:
     issued_step: int
     reduces: int = 1  # more than one when the depth was lowered this step
     obs_max: int = 0  # the group's max observation (of the newest one consumed)
-    waited_s: float = 0.0  # how long this rank waited on the due reduce(s)
+    waited_s: float = 0.0  # auto depth: how long this rank waited on the due reduce(s)
     depth_change: Optional[tuple[int, int]] = None  # (from, to), auto depth only
 
 
@@ -255,6 +279,7 @@ class PipelinedAckSync:
         self._failed: Optional[BaseException] = None
         self._step = 0
         self._obs = 0  # this rank's observation, sent with the next issue
+        self._last_consume = 0.0  # auto depth: when this rank last consumed
 
     @property
     def pending(self) -> int:
@@ -274,19 +299,23 @@ class PipelinedAckSync:
         return Stamp(PROTOCOL_VERSION, self.auto is not None, self.depth, digest, self._obs)
 
     def issue(self, ready: Mapping[Hashable, Sequence[object]], digest: int) -> None:
-        """Start the MIN-reduce of the ready counts (plus the stamp as ``[x, -x]``)."""
-        self._check_usable()
+        """Start the MIN-reduce of the ready counts (plus the stamp as ``[x, -x]``).
+
+        The core keeps the sequences in ``ready`` until the reduce is consumed:
+        hand in fresh ones (slices of the queues), never the queues themselves."""
+        if self._failed is not None:
+            self._check_usable()
         names = tuple(ready)
-        snap = tuple(tuple(ready[n]) for n in names)
-        stamp = self.stamp(digest)
-        x = stamp.pack()
-        values = [len(s) for s in snap] + [x, -x]
+        snap = tuple(ready.values())
+        x = pack_stamp(PROTOCOL_VERSION, self.auto is not None, self.depth, digest, self._obs)
+        values = [len(s) for s in snap]
+        values += (x, -x)
         try:
             handle = self.collective(values)
         except Exception as exc:  # re-raised with context
             self._fail(exc, "issuing")
         self._step += 1
-        self._pending.append(_Pending(handle, names, snap, stamp, self._step))
+        self._pending.append(_Pending(handle, names, snap, x, self._step))
 
     def consume_due(self, head: Callable[[Hashable, int], Sequence[object]]) -> Optional[Consumed]:
         """Consume every reduce that is due (one normally; none while the depth
@@ -308,36 +337,35 @@ class PipelinedAckSync:
         """Consume the oldest reduces while ``keep_below`` or more are in flight.
         Each is reconciled against the queue heads as the previous ones will
         have left them (their pops applied), so one result pops each entry once."""
-        merged: Optional[Consumed] = None
-        waited = 0.0
-        while len(self._pending) >= keep_below:
-            p = self._pending[0]
-            t0 = time.perf_counter() if not p.handle.is_completed() else None
-            merged = self._consume_oldest(head, merged)
-            if t0 is not None:
-                waited += time.perf_counter() - t0
-        if merged is None:
+        pending = self._pending
+        if len(pending) < keep_below:
             return None
-        next_pending = bool(self._pending) and not self._pending[0].handle.is_completed()
-        self._obs = observation(waited, next_pending)
-        change = None
-        if self.auto is not None:
-            before = self.depth
-            self.depth = self.auto.update(merged.obs_max, merged.issued_step, self._step)
-            change = (before, self.depth) if self.depth != before else None
-        return Consumed(
-            merged.pops,
-            merged.agreed,
-            merged.issued_step,
-            merged.reduces,
-            merged.obs_max,
-            waited,
-            change,
-        )
+        out = Consumed({}, {}, 0, 0)
+        if self.auto is None:  # only auto depth needs the observation
+            while len(pending) >= keep_below:
+                self._consume_oldest(head, out)
+            return out
+        waited = 0.0
+        now = time.perf_counter()
+        step_s, self._last_consume = now - self._last_consume, now
+        while len(pending) >= keep_below:
+            p = pending[0]
+            t0 = time.perf_counter() if not p.handle.is_completed() else 0.0
+            self._consume_oldest(head, out)
+            if t0:
+                waited += time.perf_counter() - t0
+        next_pending = bool(pending) and not pending[0].handle.is_completed()
+        self._obs = observation(waited, next_pending, step_s)
+        out.waited_s = waited
+        before = self.depth
+        self.depth = self.auto.update(out.obs_max, out.issued_step, self._step)
+        if self.depth != before:
+            out.depth_change = (before, self.depth)
+        return out
 
-    def _wait(self, p: _Pending) -> list[int]:
+    def _wait(self, p: _Pending) -> Sequence[int]:
         try:
-            reduced = [int(v) for v in p.handle.wait()]
+            reduced = p.handle.wait()
         except Exception as exc:  # re-raised with context
             self._fail(exc, f"waiting on this cache's reduce #{p.step}")
         if len(reduced) != len(p.names) + 2:
@@ -347,38 +375,45 @@ class PipelinedAckSync:
             )
         return reduced
 
-    def _check_stamps(self, p: _Pending, lo_x: int, hi_x: int) -> Stamp:
-        """The group's max stamp, after checking every rank agrees with ours."""
-        lo, hi = Stamp.unpack(lo_x), Stamp.unpack(hi_x)
-        if lo_x < STOCK_LIMIT or not (lo.agreed() == hi.agreed() == p.stamp.agreed()):
-            why = describe_mismatch(p.stamp, lo, hi, self.hints)
-            err = HiCacheAckSyncError(
-                f"HiCache ack sync: ranks disagree on this cache's reduce #{p.step}: "
-                f"{why} Nothing was popped; stopping."
-            )
-            self._pending.clear()
-            self._failed = err
-            raise err
-        return hi
+    def _mismatch(self, p: _Pending, lo_x: int, hi_x: int) -> NoReturn:
+        mine, lo, hi = Stamp.unpack(p.x), Stamp.unpack(lo_x), Stamp.unpack(hi_x)
+        why = describe_mismatch(mine, lo, hi, self.hints)
+        err = HiCacheAckSyncMismatch(
+            f"HiCache ack sync: ranks disagree on this cache's reduce #{p.step}: "
+            f"{why} Nothing was popped; stopping."
+        )
+        self._pending.clear()
+        self._failed = err
+        raise err
 
-    def _consume_oldest(self, head, before: Optional[Consumed]) -> Consumed:
+    def _consume_oldest(self, head, out: Consumed) -> None:
+        """Wait on the oldest reduce, check every rank agrees, and add what it
+        lets pop to ``out`` (after what older reduces in ``out`` pop)."""
         p = self._pending.popleft()
         reduced = self._wait(p)
-        hi = self._check_stamps(p, reduced[-2], -reduced[-1])
-        pops: dict[Hashable, int] = dict(before.pops) if before else {}
-        agreed: dict[Hashable, int] = dict(before.agreed) if before else {}
+        lo_x, hi_x = reduced[-2], -reduced[-1]
+        # Every agreed field sits above the observation: equal iff equal there.
+        agreed_bits = p.x >> OBS_BITS
+        if lo_x >> OBS_BITS != agreed_bits or hi_x >> OBS_BITS != agreed_bits:
+            self._mismatch(p, lo_x, hi_x)
+        pops, agreed = out.pops, out.agreed
         for name, snap, count in zip(p.names, p.ready, reduced):
-            if not 0 <= count <= len(snap):
-                self._fail(
-                    ValueError(f"agreed {count} for {name!r}, {len(snap)} were ready"),
-                    "checking the reduced counts",
-                )
-            taken = pops.get(name, 0)  # popped by an older reduce consumed this step
-            left = head(name, taken + count)[taken:] if count else ()
-            pops[name] = taken + still_queued(snap[:count], left)
-            agreed[name] = agreed.get(name, 0) + count
-        reduces = before.reduces + 1 if before else 1
-        return Consumed(pops, agreed, p.step, reduces, hi.obs)
+            if count:
+                if not 0 <= count <= len(snap):
+                    self._fail(
+                        ValueError(f"agreed {count} for {name!r}, {len(snap)} were ready"),
+                        "checking the reduced counts",
+                    )
+                taken = pops.get(name, 0)  # popped by an older reduce consumed this step
+                left = head(name, taken + count)[taken:]
+                pops[name] = taken + still_queued(snap[:count], left)
+                agreed[name] = agreed.get(name, 0) + count
+            else:
+                pops.setdefault(name, 0)
+                agreed.setdefault(name, 0)
+        out.issued_step = p.step
+        out.reduces += 1
+        out.obs_max = hi_x & OBS_MAX
 
     def _fail(self, exc: BaseException, doing: str) -> NoReturn:
         self._pending.clear()
@@ -393,6 +428,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Consumed",
     "HiCacheAckSyncError",
+    "HiCacheAckSyncMismatch",
     "PipelinedAckSync",
     "Stamp",
     "still_queued",

@@ -11,12 +11,19 @@
 
 For single-rank unit tests, ``peer(values)`` adds one programmable peer to every
 reduce, ``events`` logs issues and waits in order, and ``fail_on_wait`` makes
-the next ``wait()`` raise.
+the next ``wait()`` raise. ``latency_steps`` models a slow collective in steps
+(the owner advances ``now`` and lets ``step_s`` pass per step): a reduce
+completes ``latency_steps`` steps after it was issued, and a wait before that
+stalls for the steps still missing.
+
+:func:`delayed` wraps a real collective with a wall-clock latency instead
+(the bench's model of a slow host, and the gloo tests of auto depth).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from typing import Callable, Optional, Sequence
 
@@ -41,12 +48,18 @@ class HubHandle:
         self.seq = seq
         self.values = list(values)
         self.waited = False
+        self.issued_at = hub.now
 
     def is_completed(self) -> bool:
-        return len(self.hub.slots[self.seq]) == self.hub.world
+        hub = self.hub
+        issued = len(hub.slots[self.seq]) == hub.world
+        return issued and hub.now - self.issued_at >= hub.latency_steps
 
     def wait(self) -> list[int]:
         hub = self.hub
+        if not self.is_completed():  # the modelled latency, as a wait that shows
+            steps_short = hub.latency_steps - (hub.now - self.issued_at)
+            time.sleep(hub.step_s * max(1, steps_short))
         self.waited = True
         hub.events.append(("wait", self.seq))
         if hub.fail_on_wait is not None:
@@ -74,6 +87,9 @@ class MinHub:
         self.handles: list[HubHandle] = []
         self.events: list[tuple] = []
         self.fail_on_wait: Optional[BaseException] = None
+        self.now = 0  # the step, as the owner counts it
+        self.latency_steps = 0
+        self.step_s = 0.001
         self._barrier = threading.Barrier(world, timeout=10)
         self._blocking_in: dict[int, list[int]] = {}
 
@@ -109,3 +125,32 @@ class MinHub:
             self._barrier.wait()
 
         return all_reduce
+
+
+class DelayedHandle:
+    """A collective handle that completes no earlier than ``ready_at``
+    (perf_counter seconds); wait() sleeps until then, then returns the real result."""
+
+    __slots__ = ("inner", "ready_at")
+
+    def __init__(self, inner, ready_at: float):
+        self.inner = inner
+        self.ready_at = ready_at
+
+    def wait(self):
+        left = self.ready_at - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        return self.inner.wait()
+
+    def is_completed(self) -> bool:
+        return time.perf_counter() >= self.ready_at and self.inner.is_completed()
+
+
+def delayed(collective: Callable, latency_s: Callable[[], float]) -> Callable:
+    """``collective`` whose reduces complete ``latency_s()`` (read at issue) late."""
+
+    def issue(values):
+        return DelayedHandle(collective(values), time.perf_counter() + latency_s())
+
+    return issue

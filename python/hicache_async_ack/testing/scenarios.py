@@ -19,15 +19,19 @@ expect_error.
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 import time
 import traceback
+from types import SimpleNamespace
 from typing import Optional
 
 from .. import core
 from ..ack_sync import state_of
 from ..env import DEPTH_VAR, ENABLE_VAR
 from ..sglang_plugin import after_init_hicache
+from .collectives import delayed
 from .sim_cache import build_cache
 from .traffic import StepClock, Traffic, TrafficSpec
 
@@ -50,15 +54,27 @@ LOCAL_DRAIN_EVENTS = ("detach",)
 ACK_KINDS = ("write", "load")
 PROTOCOL_VERSION = core.PROTOCOL_VERSION  # what this release speaks
 SETTINGS_VARS = (ENABLE_VAR, DEPTH_VAR)
-_process_settings: Optional[dict[str, Optional[str]]] = None
+# The process's own settings, captured at its first scenario (a rank's, as spawned);
+# every scenario starts from them. Tests that run scenarios in-process reset it.
+process_settings: Optional[dict[str, Optional[str]]] = None
+# In-tree mode (payload "in_tree"): the SGLang on the path carries the ack sync
+# itself (hicache-async-ack upstream-patch), the plugin is not loaded, the cache's
+# own first check creates its state, and protocol_at acts on that module.
+IN_TREE_MODULE = "sglang.srt.mem_cache.hicache_ack_sync"
+_in_tree = False
+
+
+def _core():
+    """The module whose PROTOCOL_VERSION this rank speaks."""
+    return importlib.import_module(IN_TREE_MODULE) if _in_tree else core
 
 
 def apply_settings(spec: dict, rank: int) -> None:
     """The process's own plugin settings, then the scenario's, then this rank's."""
-    global _process_settings
-    if _process_settings is None:
-        _process_settings = {k: os.environ.get(k) for k in SETTINGS_VARS}
-    for k, v in _process_settings.items():
+    global process_settings
+    if process_settings is None:
+        process_settings = {k: os.environ.get(k) for k in SETTINGS_VARS}
+    for k, v in process_settings.items():
         if v is None:
             os.environ.pop(k, None)
         else:
@@ -70,7 +86,7 @@ def apply_settings(spec: dict, rank: int) -> None:
 class RankDriver:
     def __init__(self, spec: dict, rank: int, world: int, groups: dict):
         apply_settings(spec, rank)
-        core.PROTOCOL_VERSION = PROTOCOL_VERSION
+        _core().PROTOCOL_VERSION = PROTOCOL_VERSION
         self.spec = spec
         self.rank = rank
         self.world = world
@@ -79,17 +95,30 @@ class RankDriver:
         if spec.get("cp_x_tp"):  # attention CP x attention TP inside the TP group
             cp = groups["odd_cp" if spec["cp_x_tp"] == "odd" else "attn_cp_group"]
             topology = dict(attn_cp_group=cp, attn_tp_group=groups["attn_tp_group"])
+        # --enable-metrics: labelled as SGLang labels a cache (metrics: a cache_type)
+        cache_type = (
+            spec["metrics"] if isinstance(spec.get("metrics"), str) else "UnifiedRadixCache"
+        )
+        labels = {"cache_type": cache_type, "tp_rank": rank, "pp_rank": 0, "dp_rank": 0}
         self.sim = build_cache(
             tp_group=groups["tp"],
             tp_world_size=world,
             storage=self.storage,
             extra_pools=tuple(spec.get("extra_pools", ())),
+            metrics_labels=labels if spec.get("metrics") else None,
             **topology,
         )
-        after_init_hicache(None, self.sim.cache)  # as init_hicache would
+        # as init_hicache(server_args, params) would, with --enable-metrics or not
+        params = SimpleNamespace(enable_metrics=bool(spec.get("metrics")))
+        if _in_tree:
+            assert state_of(self.sim.cache) is None  # the first check creates it
+        else:
+            after_init_hicache(None, self.sim.cache, None, params)
         state = state_of(self.sim.cache)
-        assert state is not None
-        self.state = state
+        self.step = 0
+        if spec.get("latency_ms") and state is not None and state.sync is not None:
+            # a slow collective: [[from step, ms], ...], read when a reduce is issued
+            state.sync.collective = delayed(state.sync.collective, self.latency_s)
         self.max_delay = spec.get("max_delay", 3)
         clock = StepClock(self.max_delay, rank if spec.get("skew") else 0)
         self.traffic = Traffic(self.sim, TrafficSpec(), spec["seed"], rank, clock)
@@ -97,14 +126,28 @@ class RankDriver:
         names = spec.get("events", EVENTS)
         self.events = tuple(e for e in names if self.storage or e not in STORAGE_ONLY_EVENTS)
         self.event_counts: dict[str, int] = {}
+        self.depths: list[int] = []  # the lag depth after each step (auto depth moves it)
+
+    @property
+    def state(self):
+        state = state_of(self.sim.cache)
+        assert state is not None, "the cache has no ack sync state"
+        return state
 
     @property
     def total_steps(self) -> int:
         return self.spec["steps"] + self.spec.get("drain_steps", self.max_delay + 12)
 
+    def latency_s(self) -> float:
+        ms = [ms for start, ms in self.spec["latency_ms"] if start <= self.step]
+        return (ms[-1] if ms else 0.0) / 1000.0
+
     def step_traffic(self, step: int) -> None:
         """Faults due at this step, then this step's traffic (before the event)."""
         spec, last = self.spec, self.world - 1
+        self.step = step
+        if spec.get("step_ms"):
+            time.sleep(spec["step_ms"] / 1000.0)  # the forward, host idle
         if spec.get("diverge_at") == step and self.rank == 1:
             self.sim.tree.write_back_duplicate_reclaim_digest += 1
         if spec.get("die_at") == step and self.rank == last:
@@ -113,7 +156,7 @@ class RankDriver:
             time.sleep(spec["stall_s"])  # stops stepping: peers' waits time out
             os._exit(18)
         if spec.get("protocol_at") == step and self.rank == 1:
-            core.PROTOCOL_VERSION = PROTOCOL_VERSION + 1  # a peer on another release
+            _core().PROTOCOL_VERSION = PROTOCOL_VERSION + 1  # a peer on another release
         self.traffic.enqueue(step, new_work=step < spec["steps"])
 
     def pick_event(self, step: int):
@@ -163,6 +206,9 @@ class RankDriver:
         return {
             "pops": per_step,
             "events": events,
+            "depths": self.depths,
+            "metrics_on": self.state.metrics is not None,
+            "metrics_module_loaded": "hicache_async_ack.metrics" in sys.modules,
             "steps_run": len(per_step),
             "violations": self.sim.cc.violations,
             "left": self.left(),
@@ -189,6 +235,7 @@ def run_scenario(spec: dict, rank: int, world: int, groups: dict) -> dict:
             d.sim.cache.check_hicache_events()
             per_step.append([pre, d.sim.take_pops()])
             events.append(ev)
+            d.depths.append(d.state.sync.depth if d.state.sync else 0)
     except Exception as exc:
         out = d.summary(per_step, events)
         out["error"] = f"{type(exc).__name__}: {exc}"
@@ -196,7 +243,7 @@ def run_scenario(spec: dict, rank: int, world: int, groups: dict) -> dict:
         out["popped_in_failed_step"] = d.sim.take_pops()
         return out
     finally:
-        core.PROTOCOL_VERSION = PROTOCOL_VERSION
+        _core().PROTOCOL_VERSION = PROTOCOL_VERSION
     return d.summary(per_step, events)
 
 
@@ -204,7 +251,9 @@ def run_specs(ctx, payload: dict) -> dict:
     """Rank target: SGLang's real load_plugins() (what run_scheduler_process
     does first), the groups of ``payload["layout"]``, then every scenario of
     ``payload["specs"]`` in order. A failing scenario is recorded (with its
-    traceback) and, unless it expected the error, skips the rest."""
+    traceback) and, unless it expected the error, skips the rest. With
+    ``payload["in_tree"]`` the ranks run a patched SGLang's own ack sync."""
+    global _in_tree
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -213,6 +262,8 @@ def run_specs(ctx, payload: dict) -> dict:
     from .layout import create_groups
 
     load_plugins()
+    _in_tree = bool(payload.get("in_tree"))
+    _core()  # in-tree mode: fails here unless the tree is patched
     timeout = payload.get("group_timeout_s", 60.0)
     everyone = list(range(ctx.world_size))
 

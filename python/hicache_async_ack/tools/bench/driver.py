@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import platform
 import sys
@@ -14,11 +15,11 @@ from pathlib import Path
 from typing import Optional
 
 from ... import __version__
-from ...env import DEPTH_DEFAULT, DEPTH_MAX, DEPTH_VAR, PLUGINS_VAR
+from ...env import DEPTH_AUTO, DEPTH_DEFAULT, DEPTH_MAX, DEPTH_VAR, PLUGINS_VAR
 from ..options import ToolError, int_in, nonneg_float, subcommand
 from ..ranks import SGLANG_PRELOAD, Job, run_ranks
 from . import plot, summary
-from .workload import ARMS, BLOCKING_PLUGINS, COPY_MS
+from .workload import BLOCKING_PLUGINS, COPY_MS, KINDS, LOCAL_POPS, ArmSpec, Schedule
 
 REDUCE_GROUPS = ("shared", "dedicated")
 MIN_STEPS = 20
@@ -41,11 +42,24 @@ def versions() -> dict:
 
 
 def arm_timeout_s(cfg: dict, world: int) -> float:
-    per_step = (cfg["step_ms"] + cfg["inject_latency_ms"] + 5.0) / 1000.0
+    worst_ms = max(ms for ms, _ in cfg["latency_phases"])
+    per_step = (cfg["step_ms"] + worst_ms + 5.0) / 1000.0
     return 60.0 + 2.0 * world + 4.0 * per_step * (cfg["steps"] + cfg["warmup"])
 
 
-def run_arm(arm: str, cfg: dict, quiet: bool) -> list[dict]:
+def arm_specs(kinds: tuple[str, ...], depths: tuple[str, ...]) -> list[ArmSpec]:
+    """The arms in the order asked; one pipelined arm per depth."""
+    out = []
+    for kind in kinds:
+        if kind != "pipelined":
+            out.append(ArmSpec(kind, kind))
+            continue
+        for d in depths:
+            out.append(ArmSpec("pipelined" if len(depths) == 1 else f"pipelined@{d}", kind, d))
+    return out
+
+
+def run_arm(spec: ArmSpec, cfg: dict, quiet: bool) -> list[dict]:
     from tqdm import tqdm
 
     world = cfg["tp"]
@@ -53,15 +67,15 @@ def run_arm(arm: str, cfg: dict, quiet: bool) -> list[dict]:
     job = Job(
         target=RANK_TARGET,
         world_size=world,
-        payload=dict(cfg, arm=arm),
+        payload=dict(cfg, arm=spec),
         timeout_s=cfg["timeout_s"] or arm_timeout_s(cfg, world),
-        label=f"{arm} arm",
+        label=f"{spec.name} arm",
         group_timeout_s=cfg["group_timeout_s"],
     )
     # A bar on a terminal only: quiet in logs and CI.
     with tqdm(
         total=total,
-        desc=f"{arm} ({world} ranks)",
+        desc=f"{spec.name} ({world} ranks)",
         unit="step",
         leave=False,
         disable=quiet or not sys.stderr.isatty(),
@@ -73,18 +87,22 @@ def run_arm(arm: str, cfg: dict, quiet: bool) -> list[dict]:
         t0 = time.monotonic()
         results = run_ranks(job, on_progress=progress)
     if not quiet:
-        print(
-            f"[{arm}] {world} ranks, {total} steps in {time.monotonic() - t0:.1f} s",
-            file=sys.stderr,
-        )
+        took = time.monotonic() - t0
+        print(f"[{spec.name}] {world} ranks, {total} steps in {took:.1f} s", file=sys.stderr)
     return [r for r in results if r is not None]
+
+
+def latency_text(phases) -> str:
+    if len(phases) == 1:
+        return f"{phases[0][0]:g} ms"
+    return " -> ".join(f"{ms:g} ms x {n}" for ms, n in phases)
 
 
 def title_of(cfg: dict) -> str:
     return (
         f"TP={cfg['tp']}, {cfg['steps']} steps (+{cfg['warmup']} warmup), "
-        f"forward {cfg['step_ms']:g} ms, injected latency {cfg['inject_latency_ms']:g} ms, "
-        f"depth {cfg['depth']}, reduce group {cfg['reduce_group']}"
+        f"forward {cfg['step_ms']:g} ms, injected latency {latency_text(cfg['latency_phases'])}, "
+        f"depth {','.join(cfg['depths'])}, reduce group {cfg['reduce_group']}"
         + (f", attention CP={cfg['cp']} x TP={cfg['tp'] // cfg['cp']}" if cfg["cp"] > 1 else "")
         + (", storage" if cfg["storage"] else "")
     )
@@ -94,16 +112,23 @@ def config_of(args) -> dict:
     if args.tp % args.cp:
         divisors = [d for d in range(1, args.tp + 1) if args.tp % d == 0]
         raise ToolError(f"--cp {args.cp} must divide --tp {args.tp}; accepted: {divisors}")
+    phases = tuple(args.inject_latency_ms)
+    if sum(n for _, n in phases[:-1]) >= args.steps:
+        raise ToolError(
+            f"--inject-latency-ms {latency_text(phases)}: its phases before the last must "
+            f"leave steps for the last one (--steps {args.steps})"
+        )
+    last = args.steps - sum(n for _, n in phases[:-1])
     return {
         "tp": args.tp,
         "steps": args.steps,
         "warmup": args.warmup,
         "step_ms": args.step_ms,
         "arms": list(args.arms),
-        "inject_latency_ms": args.inject_latency_ms,
+        "latency_phases": phases[:-1] + ((phases[-1][0], last),),
         "storage": args.storage,
         "seed": args.seed,
-        "depth": args.depth,
+        "depths": list(args.depth),
         "cp": args.cp,
         "reduce_group": args.reduce_group,
         "timeout_s": args.timeout,
@@ -120,12 +145,11 @@ def preload(quiet: bool) -> None:
         for module in (*SGLANG_PRELOAD, RANK_TARGET.partition(":")[0]):
             importlib.import_module(module)
     if not quiet:
-        print(
-            f"imported sglang once for all ranks in {time.monotonic() - t:.1f} s", file=sys.stderr
-        )
+        took = time.monotonic() - t
+        print(f"imported sglang once for all ranks in {took:.1f} s", file=sys.stderr)
 
 
-def report(cfg: dict, figures: dict, load_at_start) -> None:
+def report(cfg: dict, figures: dict, lim: dict, load_at_start) -> None:
     print(f"hicache-async-ack bench {__version__}: {title_of(cfg)}")
     if load_at_start is not None:
         print(
@@ -135,16 +159,15 @@ def report(cfg: dict, figures: dict, load_at_start) -> None:
     print(summary.format_table(figures))
     for arm, s in figures.items():
         print(f"  {arm}: {s['path']}")
-    if "blocking" in figures and "pipelined" in figures:
-        b, p = figures["blocking"]["check_ms"], figures["pipelined"]["check_ms"]
-        if b and p and b["median"] > 0:
-            print(
-                f"pipelined median check_hicache_events cost is "
-                f"{100 * p['median'] / b['median']:.1f}% of blocking"
-            )
+    if lim:
+        print("against the limit (check p50; shares of what blocking costs above the bound):")
+        print(summary.format_limits(lim))
+    phases = summary.format_phases(figures)
+    if phases:
+        print(phases)
 
 
-def write_outputs(args, cfg: dict, figures: dict, load_at_start) -> None:
+def write_outputs(args, cfg: dict, figures: dict, lim: dict, load_at_start) -> None:
     record = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": {k: v for k, v in cfg.items() if k != "crash"},
@@ -156,6 +179,7 @@ def write_outputs(args, cfg: dict, figures: dict, load_at_start) -> None:
         "arms": {
             a: {k: v for k, v in s.items() if not k.startswith("_")} for a, s in figures.items()
         },
+        "limits": lim,
     }
     if args.out:
         out = Path(args.out)
@@ -178,14 +202,15 @@ def run(args) -> int:
     cfg = config_of(args)
     load_at_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     preload(args.quiet)
-    raw = {arm: run_arm(arm, cfg, args.quiet) for arm in cfg["arms"]}
-    figures = {arm: summary.summarize_arm(raw[arm], cfg["warmup"], cfg["steps"]) for arm in raw}
-    if "l1" in figures:
-        base = figures["l1"]["steps_per_s"]
-        for s in figures.values():
-            s["throughput_vs_l1"] = s["steps_per_s"] / base if base else None
-    report(cfg, figures, load_at_start)
-    write_outputs(args, cfg, figures, load_at_start)
+    schedule = Schedule(cfg["latency_phases"], cfg["warmup"])
+    figures = {}
+    for spec in arm_specs(tuple(cfg["arms"]), tuple(cfg["depths"])):
+        raw = run_arm(spec, cfg, args.quiet)
+        figures[spec.name] = summary.summarize_arm(raw, schedule, spec.kind in LOCAL_POPS)
+    summary.add_relative(figures)
+    lim = summary.limits(figures)
+    report(cfg, figures, lim, load_at_start)
+    write_outputs(args, cfg, figures, lim, load_at_start)
     bad = {a: s["violations"] for a, s in figures.items() if s["violations"]}
     for a, v in bad.items():
         print(f"VIOLATIONS in {a}: " + "; ".join(v[:10]), file=sys.stderr)
@@ -193,20 +218,71 @@ def run(args) -> int:
 
 
 # ------------------------------------------------------------------ options
-def parse_arms(raw: str) -> tuple[str, ...]:
-    picked = [a.strip().lower() for a in raw.split(",") if a.strip()]
-    accepted = ", ".join(ARMS)
-    for a in picked:
-        if a not in ARMS:
-            raise argparse.ArgumentTypeError(
-                f"unknown arm {a!r}; accepted values: {accepted} (comma-separated)"
-            )
-    if not picked or len(set(picked)) != len(picked):
+def _parse_list(flag: str, raw: str, item, accepted: str) -> tuple:
+    """A comma-separated option value; names the accepted values when it fails."""
+    picked = [x.strip() for x in raw.split(",") if x.strip()]
+    try:
+        values = tuple(item(x) for x in picked)
+    except ValueError as exc:
         raise argparse.ArgumentTypeError(
-            f"invalid arms {raw!r}; accepted values: a comma-separated list without "
-            f"repeats of {accepted}"
+            f"invalid {flag} {raw!r} ({exc}); accepted values: {accepted}"
+        ) from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"empty {flag}; accepted values: {accepted}")
+    return values
+
+
+def _known(choices: tuple[str, ...]):
+    def item(x: str) -> str:
+        if x.lower() not in choices:
+            raise ValueError(f"{x!r} is not one of them")
+        return x.lower()
+
+    return item
+
+
+def parse_arms(raw: str) -> tuple[str, ...]:
+    accepted = f"a comma-separated list without repeats of {', '.join(KINDS)}"
+    arms = _parse_list("--arms", raw, _known(KINDS), accepted)
+    if len(set(arms)) != len(arms):
+        raise argparse.ArgumentTypeError(f"invalid --arms {raw!r}; accepted values: {accepted}")
+    return arms
+
+
+def _depth(x: str) -> str:
+    if x.lower() == DEPTH_AUTO:
+        return DEPTH_AUTO
+    if not x.isdigit() or not 1 <= int(x) <= DEPTH_MAX:
+        raise ValueError(f"{x!r} is not a depth")
+    return str(int(x))
+
+
+def parse_depths(raw: str) -> tuple[str, ...]:
+    accepted = f"integers from 1 to {DEPTH_MAX} or {DEPTH_AUTO!r}, comma-separated"
+    return tuple(dict.fromkeys(_parse_list("--depth", raw, _depth, accepted)))
+
+
+def _phase(x: str) -> tuple[float, int]:
+    ms, _, steps = x.partition(":")
+    value = float(ms)
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{ms!r} is not a latency")
+    if steps and (not steps.isdigit() or int(steps) < 1):
+        raise ValueError(f"{steps!r} is not a step count")
+    return value, int(steps) if steps else 0
+
+
+def parse_latency(raw: str) -> tuple[tuple[float, int], ...]:
+    accepted = (
+        "a number >= 0 (milliseconds), or phases MS:STEPS,...,MS "
+        "(each phase but the last with its measured step count)"
+    )
+    phases = _parse_list("--inject-latency-ms", raw, _phase, accepted)
+    if any(n == 0 for _, n in phases[:-1]) or (len(phases) > 1 and phases[-1][1]):
+        raise argparse.ArgumentTypeError(
+            f"invalid --inject-latency-ms {raw!r}; accepted values: {accepted}"
         )
-    return tuple(picked)
+    return phases
 
 
 def parse_crash(raw: str) -> Optional[tuple[int, int]]:
@@ -219,15 +295,23 @@ def parse_crash(raw: str) -> Optional[tuple[int, int]]:
 
 EPILOG = f"""\
 arms (run back to back, each on fresh ranks):
-  l1         no HiCache: check_hicache_events is not called (the baseline)
+  l1         no HiCache: check_hicache_events is not called
   blocking   stock SGLang ({PLUGINS_VAR}={BLOCKING_PLUGINS} before load_plugins())
-  pipelined  this plugin, applied by SGLang's own load_plugins()
+  bound      zero-sync bound: stock check with its collective replaced by a local
+             no-op (each rank pops its own counts: a measurement device only)
+  floor      one-collective floor: the bound + one async MIN all_reduce per step
+             (wait on the previous, issue the next), issued as the plugin does
+  pipelined  this plugin, applied by SGLang's own load_plugins(); one arm per
+             --depth value (e.g. --depth 1,3,auto)
 
 --inject-latency-ms is a MODEL of a host whose gloo all_reduce is slow, not a
 measurement: blocking sleeps X ms before every upstream _all_reduce; pipelined's
-handle.wait() returns no earlier than X ms after the reduce was issued (the
-reduce itself still runs over real gloo). `hicache-async-ack doctor` measures
-this host's real gloo latency; the PR saw 0.5 ms on GB300 and 3.2 ms on B200.
+and floor's reduces complete no earlier than X ms after they were issued (the
+reduce itself still runs over real gloo). Phases change it mid-run:
+2:150,25:150,2 = 150 measured steps at 2 ms, 150 at 25 ms, the rest at 2 ms;
+the report then gives per-phase throughput, lag and depth.
+`hicache-async-ack doctor` measures this host's real gloo latency; the PR saw
+0.5 ms on GB300 and 3.2 ms on B200.
 
 Per step each rank: broadcasts a small tensor from rank 0 on the TP group (the
 scheduler's recv_requests), runs check_hicache_events (timed), then "runs the
@@ -239,17 +323,19 @@ one load-back finish after {COPY_MS[0]:g}-{COPY_MS[1]:g} ms (random per rank).
 SUMMARY = "measure the blocking ack reduce vs the pipelined one on CPU/gloo"
 DESCRIPTION = (
     "Run TP scheduler-like ranks over gloo on 127.0.0.1 driving SGLang's real "
-    "UnifiedRadixCache.check_hicache_events, and compare L1 (no HiCache), blocking "
-    "(stock) and pipelined (this plugin)."
+    "UnifiedRadixCache.check_hicache_events, and compare the pipelined plugin with "
+    "stock (blocking), the zero-sync bound, the one-collective floor and L1."
 )
 HELP = {
     "steps": f"measured steps per arm (default {DEFAULT_STEPS}, min {MIN_STEPS})",
     "warmup": f"unmeasured steps first (default {DEFAULT_WARMUP})",
-    "arms": f"comma-separated, from {', '.join(ARMS)} (default: all)",
-    "inject_latency_ms": "model a slow host: extra latency of the ack reduce (below; default 0)",
+    "arms": f"comma-separated, from {', '.join(KINDS)} (default: all)",
+    "inject_latency_ms": "model a slow host: extra latency of the ack reduce, or phases "
+    "of it (below; default 0)",
     "storage": "also feed the storage control queues",
     "seed": "workload seed (default 0)",
-    "depth": f"{DEPTH_VAR} for the pipelined arm (1..{DEPTH_MAX}, default {DEPTH_DEFAULT})",
+    "depth": f"{DEPTH_VAR} for the pipelined arm: 1..{DEPTH_MAX} or auto, or several "
+    f"comma-separated (one arm each; default {DEPTH_DEFAULT})",
     "cp": "attention context-parallel size inside the TP group (must divide --tp; "
     "CP>1 with TP/CP>1 makes upstream run two reduces per step)",
     "reduce_group": "pipelined arm: reduce on the TP group the broadcast uses "
@@ -271,13 +357,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
     arg("--steps", type=int_in("--steps", MIN_STEPS, why=few), default=DEFAULT_STEPS)
     arg("--warmup", type=int_in("--warmup", 0), default=DEFAULT_WARMUP)
-    arg("--arms", type=parse_arms, default=ARMS)
-    arg(
-        "--inject-latency-ms", type=nonneg_float("--inject-latency-ms", "milliseconds"), default=0.0
-    )
+    arg("--arms", type=parse_arms, default=KINDS)
+    arg("--inject-latency-ms", type=parse_latency, default=((0.0, 0),))
     arg("--storage", action="store_true")
     arg("--seed", type=int, default=0)
-    arg("--depth", type=int_in("--depth", 1, DEPTH_MAX), default=DEPTH_DEFAULT)
+    arg("--depth", type=parse_depths, default=(str(DEPTH_DEFAULT),))
     arg("--cp", type=int_in("--cp", 1, 64), default=1)
     arg("--reduce-group", choices=REDUCE_GROUPS, default="shared")
     arg("--out", metavar="FILE.jsonl")

@@ -32,6 +32,7 @@ class Record:
     bcast_ms: list[float] = field(default_factory=list)
     bcast_at: list[tuple[float, float]] = field(default_factory=list)
     pops_per_step: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)  # pipelined: the lag depth per step
     outstanding: dict[int, Callable[[], bool]] = field(default_factory=dict)
     finish: dict[int, int] = field(default_factory=dict)  # ack uid -> step it was seen done
     popped: dict[int, tuple[str, int]] = field(default_factory=dict)  # uid -> (queue, step)
@@ -68,8 +69,15 @@ def timed_check(arm: workload.Arm, rec: Record, step: int, measured: bool) -> No
         raise SimFailure(f"violations at step {step}", list(sim.cc.violations))
 
 
+def current_depth(arm: workload.Arm) -> int:
+    from ... import ack_sync
+
+    state = ack_sync.state_of(arm.sim.cache) if arm.sim is not None else None
+    return state.sync.depth if state is not None and state.sync is not None else 0
+
+
 def bench_rank(ctx, cfg: dict) -> dict:
-    """Rank target for tools.ranks: one arm (``cfg["arm"]``) on this rank."""
+    """Rank target for tools.ranks: one arm (``cfg["arm"]``, an ArmSpec) here."""
     import torch
     import torch.distributed as dist
 
@@ -77,8 +85,9 @@ def bench_rank(ctx, cfg: dict) -> dict:
     warmup, total = cfg["warmup"], cfg["steps"] + cfg["warmup"]
     step_s = cfg["step_ms"] / 1000.0
     crash = cfg.get("crash")
-    arm = workload.prepare(cfg["arm"], cfg, rank, world)
-    path = workload.describe_path(arm, world, cfg["depth"]) if arm.sim is None else ""
+    schedule = workload.Schedule(cfg["latency_phases"], warmup)
+    arm = workload.prepare(cfg["arm"], cfg, rank, world, schedule)
+    path = workload.describe_path(arm, world) if arm.sim is None else ""
     bcast = torch.zeros(4, dtype=torch.int64)
     rec = Record()
     t_window = time.perf_counter()
@@ -88,6 +97,7 @@ def bench_rank(ctx, cfg: dict) -> dict:
         if crash is not None and tuple(crash) == (rank, step):
             os._exit(3)  # --crash-rank-at: model a rank dying mid-run
         measured = step >= warmup
+        schedule.step = step
         t0 = time.perf_counter()
         if step == warmup:
             t_window = t0
@@ -102,7 +112,9 @@ def bench_rank(ctx, cfg: dict) -> dict:
         if arm.sim is not None:
             timed_check(arm, rec, step, measured)
             if step == 0:
-                path = workload.describe_path(arm, world, cfg["depth"])
+                path = workload.describe_path(arm, world)
+            if measured and arm.spec.kind == "pipelined":
+                rec.depths.append(current_depth(arm))
         # Forward: launched now, the host is idle until it completes. Backups of
         # this step's KV and load-backs for the next are copied on a side stream.
         fwd_end = time.perf_counter() + step_s
@@ -123,13 +135,14 @@ def bench_rank(ctx, cfg: dict) -> dict:
     dist.barrier()
     return {
         "rank": rank,
-        "arm": arm.name,
+        "arm": arm.spec.name,
         "path": path,
         "check_ms": rec.check_ms,
         "step_ms": rec.step_ms,
         "bcast_ms": rec.bcast_ms,
         "bcast_at": rec.bcast_at,
         "pops_per_step": rec.pops_per_step,
+        "depths": rec.depths,
         "window_s": window_s,
         "finish": rec.finish,
         "popped": rec.popped,

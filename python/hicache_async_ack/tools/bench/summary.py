@@ -1,4 +1,5 @@
-"""Per-arm figures from the ranks' raw results, and the text table."""
+"""Per-arm figures from the ranks' raw results, the limits they are measured
+against, and the text tables."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from .workload import Schedule
+
 
 def quantiles(values: list[float], *qs: float) -> list[float]:
     if not values:
@@ -14,10 +17,15 @@ def quantiles(values: list[float], *qs: float) -> list[float]:
     return [float(v) for v in np.quantile(np.asarray(values, dtype=float), qs)]
 
 
-def _lags(results: list[dict], warmup: int) -> tuple[list[int], int, int, int]:
-    """Ack lags (pop step minus the step by whose start it had finished on every
-    rank), acks and storage entries popped in the window, entries popped in
-    different steps on different ranks."""
+def _mean(values) -> Optional[float]:
+    return float(np.mean(values)) if len(values) else None
+
+
+def _acks(results: list[dict], warmup: int) -> tuple[list[tuple[int, int]], int, int, int]:
+    """(pop step, lag) per ack popped in the window - lag being the pop step minus
+    the step by whose start it had finished on every rank -, acks and storage
+    entries popped in the window, entries popped in different steps on
+    different ranks."""
     r0 = results[0]
     lags, acks, storage, divergent = [], 0, 0, 0
     for uid, (queue_name, pop_step) in r0["popped"].items():
@@ -30,7 +38,7 @@ def _lags(results: list[dict], warmup: int) -> tuple[list[int], int, int, int]:
             acks += 1
             fin = [r["finish"].get(uid) for r in results]
             if all(f is not None for f in fin):
-                lags.append(pop_step - max(fin))
+                lags.append((pop_step, pop_step - max(f for f in fin if f is not None)))
         else:
             storage += 1
     for r in results[1:]:
@@ -38,10 +46,33 @@ def _lags(results: list[dict], warmup: int) -> tuple[list[int], int, int, int]:
     return lags, acks, storage, divergent
 
 
-def summarize_arm(results: list[dict], warmup: int, steps: int) -> dict:
+def _phases(r0: dict, lags: list[tuple[int, int]], schedule: Schedule) -> list[dict]:
+    """Throughput (rank 0's own step times), mean lag and mean depth per phase."""
+    out = []
+    warmup = schedule.warmup
+    for i, (ms, _) in enumerate(schedule.phases):
+        idx = [k for k in range(len(r0["step_ms"])) if schedule.phase_of(k + warmup) == i]
+        secs = sum(r0["step_ms"][k] for k in idx) / 1000.0
+        phase_lags = [lag for step, lag in lags if schedule.phase_of(step) == i]
+        depths = [r0["depths"][k] for k in idx if k < len(r0["depths"])]
+        out.append(
+            {
+                "latency_ms": ms,
+                "steps": len(idx),
+                "steps_per_s": len(idx) / secs if secs > 0 else math.nan,
+                "mean_lag_steps": _mean(phase_lags),
+                "mean_depth": _mean(depths),
+            }
+        )
+    return out
+
+
+def summarize_arm(results: list[dict], schedule: Schedule, local_pops: bool) -> dict:
     """Per-arm figures. The broadcast is split into waiting for the last rank to
     arrive (skew: e.g. a slower check on some rank) and what it took after that
-    (the collective itself; a reduce left in flight on the group shows here)."""
+    (the collective itself; a reduce left in flight on the group shows here).
+    ``local_pops``: the arm pops each rank's own counts by design (the bound and
+    the floor), so pops that differ across ranks are expected there."""
     r0 = results[0]
     check = [x for r in results for x in r["check_ms"]]  # pooled over ranks
     bcast = [x for r in results for x in r["bcast_ms"]]
@@ -50,8 +81,8 @@ def summarize_arm(results: list[dict], warmup: int, steps: int) -> dict:
         last = max(t_in for t_in, _ in per_step)
         after_last += [(t_out - last) * 1000.0 for _, t_out in per_step]
     violations = [v for r in results for v in r["violations"]]
-    lags, acks, storage, divergent = _lags(results, warmup)
-    if divergent:
+    lags, acks, storage, divergent = _acks(results, schedule.warmup)
+    if divergent and not local_pops:
         violations.append(f"{divergent} entries popped in different steps across ranks")
     check_ms: Optional[dict] = None
     if check:
@@ -61,6 +92,7 @@ def summarize_arm(results: list[dict], warmup: int, steps: int) -> dict:
     b50, b90 = quantiles(bcast, 0.5, 0.9)
     a50, a90 = quantiles(after_last, 0.5, 0.9)
     s50, s99 = quantiles(r0["step_ms"], 0.5, 0.99)
+    steps = len(r0["step_ms"])
     return {
         "path": r0["path"],
         "check_ms": check_ms,
@@ -74,14 +106,50 @@ def summarize_arm(results: list[dict], warmup: int, steps: int) -> dict:
         "step_ms_p99": s99,
         "steps_per_s": steps / r0["window_s"] if r0["window_s"] > 0 else math.nan,
         "throughput_vs_l1": None,
+        "throughput_vs_bound": None,
         "acks_popped": acks,
         "storage_popped": storage,
-        "pops_per_step_mean": float(np.mean(r0["pops_per_step"])) if r0["pops_per_step"] else 0.0,
-        "mean_lag_steps": float(np.mean(lags)) if lags else None,
-        "max_lag_steps": max(lags) if lags else None,
+        "pops_per_step_mean": _mean(r0["pops_per_step"]) or 0.0,
+        "mean_lag_steps": _mean([lag for _, lag in lags]),
+        "max_lag_steps": max(lag for _, lag in lags) if lags else None,
+        "phases": _phases(r0, lags, schedule) if len(schedule.phases) > 1 else [],
         "violations": violations,
         "_check_samples": check,
     }
+
+
+def add_relative(figures: dict[str, dict]) -> None:
+    """Throughput of every arm relative to L1 and to the zero-sync bound."""
+    for ref, key in (("l1", "throughput_vs_l1"), ("bound", "throughput_vs_bound")):
+        if ref in figures and figures[ref]["steps_per_s"]:
+            base = figures[ref]["steps_per_s"]
+            for s in figures.values():
+                s[key] = s["steps_per_s"] / base
+
+
+def limits(figures: dict[str, dict]) -> dict[str, dict]:
+    """Against the limit, per pipelined arm (from the medians of the check):
+    the sync cost left above the bound, as a share of what blocking costs above
+    it, split into the one collective's share (floor - bound) and the plugin's
+    own (pipelined - floor); and steps/s relative to the bound and the floor."""
+    need = ("blocking", "bound", "floor")
+    if not all(figures.get(a, {}).get("check_ms") for a in need):
+        return {}
+    med = {a: figures[a]["check_ms"]["median"] for a in need}
+    span = med["blocking"] - med["bound"]
+    out = {}
+    for arm, s in figures.items():
+        if not arm.startswith("pipelined") or not s["check_ms"] or span <= 0:
+            continue
+        p = s["check_ms"]["median"]
+        out[arm] = {
+            "sync_cost_left": (p - med["bound"]) / span,
+            "collective_share": (med["floor"] - med["bound"]) / span,
+            "plugin_share": (p - med["floor"]) / span,
+            "vs_bound_steps": s["steps_per_s"] / figures["bound"]["steps_per_s"],
+            "vs_floor_steps": s["steps_per_s"] / figures["floor"]["steps_per_s"],
+        }
+    return out
 
 
 def _fmt(v, spec=".3f", none="-") -> str:
@@ -90,8 +158,8 @@ def _fmt(v, spec=".3f", none="-") -> str:
     return format(v, spec)
 
 
-def _pct(rel: Optional[float]) -> str:
-    return "-" if rel is None else f"{rel * 100:.2f}%"
+def _pct(rel: Optional[float], spec=".2f") -> str:
+    return "-" if rel is None or math.isnan(rel) else f"{rel * 100:{spec}}%"
 
 
 HEAD = (
@@ -104,15 +172,16 @@ HEAD = (
     "step p50 ms",
     "steps/s",
     "vs L1",
-    "acks popped",
+    "vs bound",
+    "popped",
     "lag (steps)",
     "violations",
 )
 
 
-def format_table(summary: dict[str, dict]) -> str:
+def format_table(figures: dict[str, dict]) -> str:
     rows: list[tuple[str, ...]] = [HEAD]
-    for arm, s in summary.items():
+    for arm, s in figures.items():
         c = s["check_ms"] or {}
         rows.append(
             (
@@ -125,12 +194,52 @@ def format_table(summary: dict[str, dict]) -> str:
                 _fmt(s["step_ms_median"], ".2f"),
                 _fmt(s["steps_per_s"], ".2f"),
                 _pct(s["throughput_vs_l1"]),
+                _pct(s["throughput_vs_bound"]),
                 str(s["acks_popped"] + s["storage_popped"]),
                 _fmt(s["mean_lag_steps"], ".2f"),
                 str(len(s["violations"])),
             )
         )
     return render(rows)
+
+
+def format_limits(lim: dict[str, dict]) -> str:
+    head = ("arm", "sync cost left", "= collective", "+ plugin", "steps/s vs bound", "vs floor")
+    rows: list[tuple[str, ...]] = [head]
+    for arm, x in lim.items():
+        rows.append(
+            (
+                arm,
+                _pct(x["sync_cost_left"], ".1f"),
+                _pct(x["collective_share"], ".1f"),
+                _pct(x["plugin_share"], ".1f"),
+                _pct(x["vs_bound_steps"]),
+                _pct(x["vs_floor_steps"]),
+            )
+        )
+    return render(rows)
+
+
+def format_phases(figures: dict[str, dict]) -> str:
+    """Per injected-latency phase: steps/s relative to the bound (else L1), mean
+    lag, and mean depth, for every arm that ran the phases."""
+    ref = "bound" if "bound" in figures else "l1" if "l1" in figures else None
+    arms = [a for a, s in figures.items() if s["phases"]]
+    if not arms:
+        return ""
+    phases = figures[arms[0]]["phases"]
+    head = ["arm"] + [f"{p['latency_ms']:g} ms ({p['steps']} steps)" for p in phases]
+    rows: list[Sequence[str]] = [head]
+    for arm in arms:
+        cells = [arm]
+        for i, p in enumerate(figures[arm]["phases"]):
+            base = figures[ref]["phases"][i]["steps_per_s"] if ref else math.nan
+            rel = p["steps_per_s"] / base if ref and base else None
+            depth = f" d{p['mean_depth']:.2f}" if p["mean_depth"] is not None else ""
+            cells.append(f"{_pct(rel, '.1f')} lag {_fmt(p['mean_lag_steps'], '.2f')}{depth}")
+        rows.append(cells)
+    label = f"per phase: steps/s vs {ref or '-'}, mean ack lag (steps), mean depth"
+    return label + "\n" + render(rows)
 
 
 def render(rows: Sequence[Sequence[str]]) -> str:

@@ -1,0 +1,196 @@
+"""Operators see it work: Prometheus metrics written by real gloo ranks into a
+real multiprocess directory (as SGLang's --enable-metrics sets it up), read back
+through prometheus_client's multiprocess collector in the exposition format;
+and auto depth following a reduce latency that changes over time."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache_async_ack.env import DEPTH_VAR
+from hicache_async_ack.testing.checks import assert_symmetric_and_complete
+from hicache_async_ack.testing.scenarios import ACK_KINDS
+
+from gloo_ranks import run_fresh, scenario_job
+
+WORLD = 2
+LABELS = ("cache_type", "tp_rank", "pp_rank", "dp_rank")
+BASE = dict(max_delay=2, skew=True, storage=True, extra_pools=["mamba"])
+# A slow collective for a while: 4 ms steps, then a 14 ms reduce, then fast again.
+LATENCY = [[0, 0.0], [80, 14.0], [180, 0.0]]
+
+
+@pytest.fixture(scope="module")
+def metrics_run(tmp_path_factory):
+    prom_dir = tmp_path_factory.mktemp("prometheus_multiproc")
+    specs = [
+        dict(BASE, name="no_metrics", seed=1, steps=30),
+        dict(BASE, name="pipelined", seed=2, steps=100, metrics=True),
+        dict(
+            BASE,
+            name="auto",
+            seed=3,
+            steps=360,
+            metrics="auto",
+            step_ms=4,
+            latency_ms=LATENCY,
+            event_p=0.05,
+            events=["write_back_flush", "reset", "detach", "attach", "loading_check"],
+            env={DEPTH_VAR: "auto"},
+        ),
+        dict(
+            BASE,
+            name="mismatch",
+            seed=4,
+            steps=20,
+            metrics="mismatch",
+            rank_env={"1": {DEPTH_VAR: "2"}},
+            fresh_group=True,
+            expect_error=True,
+        ),
+    ]
+    import os
+
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(prom_dir))
+    (out,) = run_fresh([scenario_job(WORLD, specs, timeout=600)], env=env)
+    if isinstance(out, Exception):
+        raise AssertionError(str(out))
+    return out, scrape(prom_dir)
+
+
+def scrape(prom_dir) -> dict:
+    """What /metrics would serve: the multiprocess collector over the directory,
+    rendered in the exposition format and parsed back."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+    from prometheus_client.parser import text_string_to_metric_families
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(prom_dir))
+    text = generate_latest(registry).decode()
+    samples: dict = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((s.labels, s.value))
+    return samples
+
+
+def series(samples, name, **match):
+    return [
+        (labels, value)
+        for labels, value in samples.get(name, [])
+        if all(labels.get(k) == str(v) for k, v in match.items())
+    ]
+
+
+def value(samples, name, **match) -> float:
+    (found,) = series(samples, name, **match)
+    return found[1]
+
+
+def test_no_metrics_means_nothing_created(metrics_run):
+    results, _ = metrics_run
+    for r in results:
+        assert not r["no_metrics"]["metrics_on"]
+        assert not r["no_metrics"]["metrics_module_loaded"]  # not even imported
+        assert r["pipelined"]["metrics_on"]
+
+
+def test_every_series_carries_the_cache_labels(metrics_run):
+    _, samples = metrics_run
+    names = [n for n in samples if n.startswith("sglang:hicache_ack_sync_")]
+    for family in ("pipelined", "depth", "wait_seconds", "issue_seconds", "popped_entries"):
+        assert any(family in n for n in names), (family, names)
+    for name in names:
+        for labels, _ in samples[name]:
+            assert set(LABELS) <= set(labels), (name, labels)
+
+
+def test_pipelined_gauge_depth_and_step_histograms_per_rank(metrics_run):
+    results, samples = metrics_run
+    for rank, r in enumerate(results):
+        match = dict(cache_type="UnifiedRadixCache", tp_rank=rank)
+        assert value(samples, "sglang:hicache_ack_sync_pipelined", **match) == 1
+        assert value(samples, "sglang:hicache_ack_sync_depth", **match) == 1
+        steps = r["pipelined"]["steps_run"]
+        assert value(samples, "sglang:hicache_ack_sync_wait_seconds_count", **match) == steps
+        assert value(samples, "sglang:hicache_ack_sync_issue_seconds_count", **match) == steps
+        assert value(samples, "sglang:hicache_ack_sync_issue_seconds_sum", **match) > 0
+
+
+def test_popped_counters_match_what_the_rank_popped(metrics_run):
+    results, samples = metrics_run
+    for rank, r in enumerate(results):
+        popped: dict[str, int] = {}
+        for _, post in r["pipelined"]["pops"]:
+            for queue, _ in post:
+                label = queue if queue in ACK_KINDS else None
+                if label is None:  # storage queues, and ("extra", pool)
+                    label = (
+                        f"extra_{queue[1]}"
+                        if isinstance(queue, list)
+                        else queue.removesuffix("_queue")
+                    )
+                popped[label] = popped.get(label, 0) + 1
+        assert popped.get("write") and popped.get("load"), popped
+        got = {
+            labels["queue"]: v
+            for labels, v in series(
+                samples,
+                "sglang:hicache_ack_sync_popped_entries_total",
+                cache_type="UnifiedRadixCache",
+                tp_rank=rank,
+            )
+        }
+        assert got == popped
+
+
+def test_wait_histogram_shows_the_latency_the_auto_depth_then_hides(metrics_run):
+    results, samples = metrics_run
+    for rank in range(WORLD):
+        waited = series(
+            samples, "sglang:hicache_ack_sync_wait_seconds_bucket", cache_type="auto", tp_rank=rank
+        )
+        total = value(
+            samples, "sglang:hicache_ack_sync_wait_seconds_count", cache_type="auto", tp_rank=rank
+        )
+        under_1ms = next(v for labels, v in waited if labels["le"] == "0.001")
+        assert 0 < total - under_1ms < 0.2 * total  # a few steps waited, most did not
+
+
+def test_failures_counter_counts_the_mismatch(metrics_run):
+    results, samples = metrics_run
+    for rank, r in enumerate(results):
+        assert "the lag depth differs" in r["mismatch"]["error"]
+        got = value(
+            samples,
+            "sglang:hicache_ack_sync_failures_total",
+            cache_type="mismatch",
+            tp_rank=rank,
+            reason="mismatch",
+        )
+        assert got == 1
+
+
+def test_auto_depth_rises_with_latency_and_falls_back_with_symmetric_pops(metrics_run):
+    results, _ = metrics_run
+    _drop_detach_storage_pops(results, "auto")
+    r0 = assert_symmetric_and_complete(results, "auto")
+    assert r0["pipelined"]
+    depths = [r["auto"]["depths"] for r in results]
+    assert all(d == depths[0] for d in depths)  # every rank moved at the same step
+    d = depths[0]
+    # Exact depths under exact latencies are the simulation's to check
+    # (test_simulation.py); over real gloo on a shared box, the shape:
+    assert d[0] == 1 and min(d[:80]) == 1
+    peak = max(d[80:180])
+    assert peak >= 3  # a 14 ms reduce needs more than three 4 ms steps
+    assert d[-1] < peak  # and it comes back down once the reduce is fast again
+    assert r0["counts"]["events"], "lifecycle events ran"
+
+
+def _drop_detach_storage_pops(results, name):
+    for r in results:
+        for step, ev in zip(r[name]["pops"], r[name]["events"]):
+            if ev == "detach":
+                step[0] = [p for p in step[0] if p[0] in ACK_KINDS]
