@@ -1,4 +1,4 @@
-"""``hicache-async-ack`` command line: ``bench`` and ``doctor``."""
+"""``hicache-async-ack`` command line: ``bench``, ``doctor`` and ``upstream-patch``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import signal
 import sys
 
 from .. import __version__
-from . import doctor
+from . import doctor, upstream_patch
 from .bench import driver as bench
 from .options import ToolError
 from .ranks import RanksFailed
@@ -20,9 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
         "all_reduce. Commands to check it is active and to measure what it saves.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{bench,doctor}", required=True)
+    sub = parser.add_subparsers(
+        dest="command", metavar="{bench,doctor,upstream-patch}", required=True
+    )
     bench.add_parser(sub)
     doctor.add_parser(sub)
+    upstream_patch.add_parser(sub)
     return parser
 
 
