@@ -233,7 +233,7 @@ def test_auto_depth_raises_after_consecutive_waits_and_ignores_stale_ones():
         assert rule.update(waited, issued_step=issued, now_step=issued + 1) == 2
     assert rule.update(waited, issued_step=5, now_step=6) == 2
     assert rule.update(waited, issued_step=6, now_step=7) == 3
-    assert rule.changes == [(2, 1, 2), (7, 2, 3)]
+    assert list(rule.changes) == [(2, 1, 2), (7, 2, 3)]
 
 
 def test_auto_depth_lowers_after_a_clean_streak_and_never_past_its_bounds():

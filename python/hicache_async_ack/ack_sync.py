@@ -265,17 +265,14 @@ def torch_min_all_reduce(group) -> Callable[[list[int]], Any]:
     pg = group if group is not None else dist.group.WORLD
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MIN
-    rings: dict[int, list] = {}  # layout length -> [(tensor, numpy view), ...]
-    turn = itertools.count()
+    rings: dict[int, Any] = {}  # layout length -> cycle of (tensor, numpy view)
 
     def issue(values: list[int]) -> _TorchHandle:
         ring = rings.get(len(values))
         if ring is None:
-            ring = rings[len(values)] = []
-            for _ in range(DEPTH_LIMIT + 1):
-                t = torch.zeros(len(values), dtype=torch.int64)
-                ring.append((t, t.numpy()))
-        tensor, view = ring[next(turn) % len(ring)]
+            tensors = [torch.zeros(len(values), dtype=torch.int64) for _ in range(DEPTH_LIMIT + 1)]
+            ring = rings[len(values)] = itertools.cycle([(t, t.numpy()) for t in tensors])
+        tensor, view = next(ring)
         view[:] = values
         return _TorchHandle(pg.allreduce([tensor], opts), tensor)
 
@@ -386,10 +383,10 @@ def pipelined_check_hicache_events(state: CacheState, cache, original, *args, **
     check_hicache_events with the agreed counts, then issue the next reduce.
 
     In five parts: 2 (consume) and 5 (issue) are the ack sync's; 1, 3 and 4 are
-    the cache's own code: it reaps PP work, flushes
-    backups, calls _sync_hicache_ready_counts (answered by
-    :func:`agreed_ready_counts`), pops through writing_check / loading_check /
-    the storage drain and flushes buffers."""
+    the cache's own code: it reaps PP work, flushes backups, calls
+    _sync_hicache_ready_counts (answered by :func:`agreed_ready_counts`), pops
+    through writing_check / loading_check / the storage drain and flushes
+    buffers."""
     decision = state.decide(cache)
     state.announce(decision)
     sync = state.sync

@@ -44,7 +44,8 @@ OBS_BITS = 12  # the per-rank observation (auto depth's wait signal)
 DIGEST_BITS = 42  # upstream's reclaim digest is masked to 42 bits
 DEPTH_BITS = 4
 AUTO_BITS = 1
-PROTOCOL_BITS = 4  # 4 + 1 + 4 + 42 + 12 = 63: x and -x fit an int64
+PROTOCOL_BITS = 4
+assert PROTOCOL_BITS + AUTO_BITS + DEPTH_BITS + DIGEST_BITS + OBS_BITS == 63  # x, -x: int64
 OBS_MAX = (1 << OBS_BITS) - 1
 DEPTH_LIMIT = (1 << DEPTH_BITS) - 1
 STOCK_LIMIT = 1 << DIGEST_BITS  # upstream's own [digest, -digest] stays below this
@@ -97,9 +98,6 @@ class Stamp:
         auto, x = bool(x & 1), x >> AUTO_BITS
         return cls(protocol=x, auto=auto, depth=depth, digest=digest, obs=obs)
 
-    def agreed(self) -> tuple:
-        return (self.protocol, self.auto, self.depth, self.digest)
-
 
 def pack_stamp(protocol: int, auto: bool, depth: int, digest: int, obs: int) -> int:
     """A :class:`Stamp` as the int that rides in the reduce (a digest wider than
@@ -132,7 +130,7 @@ def describe_mismatch(mine: Stamp, lo: Stamp, hi: Stamp, hints: Mapping[str, str
                 f"{what} differs across the group: this rank {int(me)}, group min "
                 f"{int(a)}, max {int(b)}. {hints.get(name, '')}".rstrip()
             )
-    raise AssertionError("stamps agree")  # pragma: no cover - callers check first
+    return f"the stamps differ (group min {lo}, max {hi}, this rank {mine})"
 
 
 # ------------------------------------------------------------------ auto depth
@@ -172,7 +170,8 @@ class AutoDepth:
     _waits: int = 0
     _clean: int = 0
     _settled_after: int = 0  # reduces issued up to this step predate the last change
-    changes: list[tuple[int, int, int]] = field(default_factory=list)  # (step, from, to)
+    # the latest changes, (step, from, to): for the log and the tests
+    changes: deque[tuple[int, int, int]] = field(default_factory=lambda: deque(maxlen=64))
 
     def update(self, obs_max: int, issued_step: int, now_step: int) -> int:
         if issued_step <= self._settled_after:

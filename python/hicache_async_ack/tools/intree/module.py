@@ -60,7 +60,6 @@ FORBIDDEN = re.compile(r"hicache_async_ack|hicache-async-ack|[Pp]lugin")
 # Text rewrites of the plugin's prose; each is a no-op when its text is absent.
 REWRITES = (
     (re.compile(r"\s*\((?:see )?docs/[^)]*\)"), ""),  # "(docs/design.md, ...)"
-    (re.compile(r"\bthe design notes\b"), "the module docstring"),
     (re.compile(r"(?<![\w.])core\.(?=[A-Za-z_])"), ""),  # "core.Stamp": one module now
 )
 LOGGER = re.compile(r"^logger\s*=\s*logging\.getLogger\(.*\)\s*$")
