@@ -113,6 +113,6 @@ def test_bad_env_raises_at_cache_init(plugin, monkeypatch):
     from hicache_async_ack import sglang_plugin
 
     err = ValueError(f"{ENABLE_VAR}='maybe' is not a boolean")
-    guard = sglang_plugin._raise_config_error(err)
+    guard = sglang_plugin.config_error_hook(err)
     with pytest.raises(ValueError, match="not a boolean"):
         guard(object(), None, None)

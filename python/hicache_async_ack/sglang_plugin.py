@@ -114,7 +114,10 @@ def around_sync_hicache_ready_counts(original, cache, *args, **kwargs):
     return agreed_ready_counts(state_of(cache), cache, original, *args, **kwargs)
 
 
-def _raise_config_error(error: ValueError):
+def config_error_hook(error: ValueError):
+    """A BEFORE init_hicache hook that raises ``error``: load_plugins() swallows
+    what register() raises, so a bad setting stops the server here instead."""
+
     @_hook
     def before_init_hicache(cache, *args, **kwargs):
         raise error
@@ -170,7 +173,7 @@ def register() -> None:
         # HiCache init instead so the server refuses to start with a bad value.
         logger.error("hicache-async-ack: %s", error)
         HookRegistry.register(
-            f"{CACHE_CLASS}.init_hicache", _raise_config_error(error), HookType.BEFORE
+            f"{CACHE_CLASS}.init_hicache", config_error_hook(error), HookType.BEFORE
         )
         return
     if not settings.enabled:
