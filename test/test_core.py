@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from hicache_async_ack.core import (
     still_queued,
 )
 from hicache_async_ack.testing.collectives import MinHub
+from hicache_async_ack.testing.model_time import ModelClock, modelled
 
 
 class Ref:
@@ -245,9 +247,13 @@ def test_auto_depth_lowers_after_a_clean_streak_and_never_past_its_bounds():
         assert rule.update(obs, step, step) == 2  # the streak restarted
     assert rule.update(clean, 6, 6) == 1
     waited = core.observation(0.005, False, 0.01)
-    assert rule.update(waited, 8, 9) == 1  # issued before the change settled
-    assert rule.update(waited, 9, 10) == 2
+    # a lower: only the reduce issued in the step of the change is stale
+    assert rule.update(waited, 7, 8) == 1
+    assert rule.update(waited, 8, 9) == 2
+    # a raise by one: the reduce of that step and the one whose consume it skipped
+    assert rule.update(waited, 10, 11) == 2 and rule.update(waited, 11, 12) == 2
     assert rule.update(waited, 12, 13) == 2  # hi bound
+    assert list(rule.changes) == [(6, 2, 1), (9, 1, 2)]
 
 
 def test_short_waits_are_noise_and_any_wait_outranks_next_pending():
@@ -266,3 +272,71 @@ def test_a_wait_of_several_steps_raises_by_that_many_at_once():
     assert obs >> 1 == 2
     assert rule.update(obs, issued_step=1, now_step=1) == 3
     assert core.AutoDepth(depth=7).update(obs, 1, 1) == 8  # never past hi
+
+
+def _run_auto(latency_ms, step_ms: float, steps: int = 240):
+    """One rank, model time: each step a forward of ``step_ms``, then the
+    consume and the issue; ``latency_ms(step)``: how late a reduce issued then
+    completes. Returns the depth after each step and the waits (model ms)."""
+    clock = ModelClock()
+    lat = latency_ms if callable(latency_ms) else (lambda step: latency_ms)
+    now = [0]  # the step a reduce is issued in
+    collective = modelled(MinHub().collective(), lambda: lat(now[0]) / 1000.0, clock)
+    sync = PipelinedAckSync(collective, auto=core.AutoDepth(), clock=clock)
+    depths, waits = [], []
+    for now[0] in range(steps):
+        clock.advance(step_ms / 1000.0)
+        got = sync.consume_due(lambda name, n: [])
+        sync.issue({"w": []}, digest=0)
+        depths.append(sync.depth)
+        waits.append(round(got.waited_s * 1000, 6) if got else 0.0)
+    return depths, waits
+
+
+@pytest.mark.parametrize(
+    "latency_ms, step_ms",
+    [(35, 10), (25, 11), (14, 4), (21, 10), (15, 10), (30, 10), (50, 12), (8, 10), (10, 10)],
+)
+def test_auto_depth_settles_at_the_smallest_hiding_depth_without_overshoot(latency_ms, step_ms):
+    """A reduce issued at the end of a step is consumed ``depth`` forwards
+    later: the smallest depth that hides it is ceil(latency / step). The rule
+    reaches it and never goes past it (one latency episode counted once)."""
+    depths, waits = _run_auto(latency_ms, step_ms)
+    hiding = math.ceil(latency_ms / step_ms)
+    assert max(depths) == hiding, depths[:40]
+    assert depths[-1] == hiding
+    settled = depths.index(hiding)
+    assert settled <= 12, depths[:40]  # within a few consumes
+    assert depths[settled:] == [hiding] * (len(depths) - settled)  # and stays
+    assert not any(waits[settled + hiding + 1 :])  # hidden from then on
+
+
+def test_auto_depth_follows_a_latency_that_comes_and_goes():
+    depths, _ = _run_auto(lambda step: 35 if 20 <= step < 120 else 0, 10, steps=300)
+    assert depths[:20] == [1] * 20
+    assert max(depths) == 4 and depths[119] == 4
+    assert depths[-1] == 1  # lowered one by one once it is fast again
+    assert all(b - a in (0, -1) for a, b in zip(depths[120:], depths[121:]))
+
+
+# ---------------------------------------------------------------- digest folding
+def test_fold_digest_keeps_42_bit_digests_and_folds_the_rest():
+    assert core.fold_digest(0) == 0
+    assert core.fold_digest((1 << 42) - 1) == (1 << 42) - 1  # upstream's, as is
+    assert core.fold_digest(1 << 42) == 1  # bit 42 lands on bit 0
+    assert core.fold_digest((1 << 42) | 1) == 0
+    for d in (1 << 50, (1 << 63) - 1, 1 << 200, -1, -(1 << 45)):
+        assert 0 <= core.fold_digest(d) < 1 << 42
+    assert core.fold_digest(-1) != core.fold_digest(1)
+
+
+@pytest.mark.parametrize("high_bit", [42, 50, 63, 100])
+def test_a_divergence_above_bit_42_is_caught(high_bit):
+    """A tree core whose digest is wider than upstream's 42 bits: ranks that
+    differ only above bit 42 must still disagree in the stamp."""
+    low = 0x2A5A5A5A5A5
+    hub = MinHub(peer=lambda values: [0, *slot(digest=low)])
+    sync = PipelinedAckSync(hub.collective())
+    sync.issue({"w": []}, digest=low | (1 << high_bit))
+    with pytest.raises(HiCacheAckSyncError, match="ranks diverged"):
+        sync.consume_due(lambda name, n: [])

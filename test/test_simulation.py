@@ -99,8 +99,12 @@ def simulate(
             pre = [d.sim.take_pops() for d in drivers]
             if ev in LOCAL_DRAIN_EVENTS:  # storage pops there are local by design
                 pre = [[p for p in pops if p[0] in ACK_KINDS] for pops in pre]
-            for d in drivers:
-                d.sim.cache.check_hicache_events()
+            checks = [d.sim.cache.check_hicache_events for d in drivers]
+            if not all(d.state.greeted for d in drivers):
+                _run_threads(checks)  # the first step's exchange is blocking
+            else:
+                for check in checks:
+                    check()
             post = [d.sim.take_pops() for d in drivers]
             for r in range(1, world):
                 assert pre[r] == pre[0], f"lifecycle pops differ: rank 0 {pre[0]} rank {r} {pre[r]}"

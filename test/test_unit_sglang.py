@@ -155,7 +155,8 @@ def test_switch_to_blocking_consumes_pending_first(make_cache, hub):
     w += acks(sim, "write", 1)
     sim.cache.host_memory_mode = "buffer_only"  # the cache stops being eligible
     sim.cache.check_hicache_events()
-    assert [e[0] for e in log] == ["issue", "wait", "blocking"]
+    # the first step's stamped exchange, then the pipelined reduce, drained
+    assert [e[0] for e in log] == ["blocking", "issue", "wait", "blocking"]
     # the pending agreement popped 2, the blocking sync counted the 3rd
     assert log[-1][1][:2] == [1, 0]
     assert sim.take_pops() == [("write", u) for u in w]
@@ -252,10 +253,50 @@ def test_cp_x_tp_pipelines_over_the_spanning_group(make_cache, plugin, monkeypat
 
     monkeypatch.setattr(ack_sync, "spanning_group", spanning)
     sim = make_cache(tp=4, attn_cp_group=FakeGroup(2, "cp"), attn_tp_group=FakeGroup(2, "atp"))
+    assert spans == []  # nothing gathered at init: a stock peer would not take part
+    sim.cache.check_hicache_events()  # the first exchange, then the layout check
     decision = ack_sync.state_of(sim.cache).decide(sim.cache)
     assert spans == [("cp", "atp")]
     assert decision.pipelined and decision.group is sim.cache.tp_group
     assert decision.reason == "TP group, equal to attn CP(2) x attn TP(2)"
+
+
+def test_first_step_starts_with_a_stamped_exchange_in_upstreams_shape(make_cache, hub):
+    """Before any collective the blocking path would not run: upstream's own
+    _all_reduce with zero counts and the stamp where upstream sends its digest."""
+    sim = make_cache(tp=2, storage=True, extra_pools=("mamba",))
+    sim.tree.write_back_duplicate_reclaim_digest = 5
+    log = []
+    _fake_blocking_reduce(sim, log)
+    acks(sim, "write", 2)
+    sim.cache.check_hicache_events()
+    assert log == [("blocking", [0] * 7 + stamp_slot(digest=5))]
+    assert len(hub.issued) == 1  # then the first pipelined reduce
+    sim.cache.check_hicache_events()
+    assert len(log) == 1  # once per cache
+
+
+@pytest.mark.parametrize(
+    "peer, why",
+    [
+        (lambda x: [5, -5], "this node pipelines, a peer does not"),
+        (lambda x: stamp_slot(depth=2, digest=5), "the lag depth differs"),
+    ],
+)
+def test_first_exchange_names_a_disagreeing_peer_before_issuing(make_cache, hub, peer, why):
+    sim = make_cache(tp=2)
+    sim.tree.write_back_duplicate_reclaim_digest = 5
+
+    def all_reduce(tensor, op):  # a MIN with one peer that sent ``peer``'s slot
+        mine = tensor.tolist()
+        theirs = mine[:-2] + peer(mine[-2])
+        tensor.copy_(tensor.new_tensor([min(a, b) for a, b in zip(mine, theirs)]))
+
+    sim.cache.__dict__["_all_reduce"] = all_reduce
+    acks(sim, "write", 1)
+    with pytest.raises(HiCacheAckSyncError, match=why):
+        sim.cache.check_hicache_events()
+    assert hub.issued == [] and sim.take_pops() == []
 
 
 def test_second_sync_in_one_step_raises_before_popping_again(make_cache, hub):

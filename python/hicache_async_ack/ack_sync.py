@@ -68,6 +68,9 @@ class Decision:
     reason: str
     group: Any = None
     world_size: int = 1
+    # attention CP x TP: the (CP, attn TP) groups whose union the first step
+    # checks against ``group`` (spanning_group), after the first exchange
+    span: Optional[tuple[Any, Any]] = None
 
 
 def world_size(group) -> int:
@@ -98,16 +101,25 @@ def static_decision(cache) -> Decision:
         return Decision(False, "world size 1: upstream runs no collective, nothing to hide")
     if len(groups) > 1:
         names = " x ".join(f"{label}({ws})" for label, _, ws in groups)
-        group = spanning_group(cache, groups[0][1], groups[1][1])
-        if group is None:
-            return Decision(
-                False,
-                f"{names}: two collectives per step and no existing group spans "
-                "exactly their ranks (DP attention?)",
-            )
-        return Decision(True, f"TP group, equal to {names}", group, cache.tp_world_size)
+        (_, cp, cp_ws), (_, attn_tp, attn_tp_ws) = groups
+        if cache.tp_group is None or cp_ws * attn_tp_ws != cache.tp_world_size:
+            return Decision(False, no_span_reason(names))
+        # Whether the union of the two is exactly the TP group needs every
+        # member's groups: gathered at the first step, after the first exchange
+        # (a gather here would hang a rank without the plugin, which runs none).
+        span = (cp, attn_tp)
+        return Decision(
+            True, f"TP group, equal to {names}", cache.tp_group, cache.tp_world_size, span
+        )
     label, group, ws = groups[0]
     return Decision(True, f"one {label} group", group, ws)
+
+
+def no_span_reason(names: str) -> str:
+    return (
+        f"{names}: two collectives per step and no existing group spans exactly "
+        "their ranks (DP attention?)"
+    )
 
 
 def spanning_group(cache, cp_group, attn_tp_group):
@@ -118,10 +130,12 @@ def spanning_group(cache, cp_group, attn_tp_group):
     TP(r). One reduce over group G gives the same iff that union is G for every
     r in G. The candidate is the cache's TP group (it contains both); the check
     needs every member's CP and TP ranks, so it gathers them over that group
-    once, when the cache's state is created (every member creates it at the same
-    point), and every member reaches the same verdict from the same data. No
-    group is created: with DP attention the union is smaller than the TP group
-    and the cache stays blocking.
+    once, in the first pipelined step right after the first exchange (which ran
+    on the CP and attn TP groups, as upstream's reduce does, and showed that
+    every rank it reached pipelines with the same settings); every member
+    reaches the same verdict from the same data. No group is created: with DP
+    attention the union is smaller than the TP group and the cache stays
+    blocking (decided at init from the group sizes, without gathering).
     """
     import torch.distributed as dist
 
@@ -253,18 +267,18 @@ class _TorchHandle:
 
 
 def torch_min_all_reduce(group) -> Callable[[list[int]], Any]:
-    """An async MIN all_reduce over ``group`` (a torch ProcessGroup, as upstream
-    passes to torch.distributed.all_reduce), issued on the group's own
-    ``allreduce`` into preallocated tensors: per step, this saves a tensor
-    allocation and dist.all_reduce's Python wrapping (docs/bench.md has the
-    measurements). Tensors are reused round-robin, DEPTH_LIMIT + 1 per layout,
-    so one is never refilled while a reduce on it can still be in flight."""
+    """An async MIN all_reduce over ``group``, through the public
+    ``torch.distributed.all_reduce(..., async_op=True)`` as upstream's blocking
+    one goes: whatever wraps or patches it (tracing, fault injection, tests)
+    sees our collective too. Calling the ProcessGroup's ``allreduce`` directly
+    saved the wrapper's Python work, but measured in the same bench run the
+    difference stays within the run's noise (docs/bench.md), so the public
+    call wins. Tensors are preallocated and reused round-robin, DEPTH_LIMIT + 1
+    per layout, so one is never refilled while a reduce on it can be in flight."""
     import torch
     import torch.distributed as dist
 
-    pg = group if group is not None else dist.group.WORLD
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MIN
+    op = dist.ReduceOp.MIN
     rings: dict[int, Any] = {}  # layout length -> cycle of (tensor, numpy view)
 
     def issue(values: list[int]) -> _TorchHandle:
@@ -274,9 +288,22 @@ def torch_min_all_reduce(group) -> Callable[[list[int]], Any]:
             ring = rings[len(values)] = itertools.cycle([(t, t.numpy()) for t in tensors])
         tensor, view = next(ring)
         view[:] = values
-        return _TorchHandle(pg.allreduce([tensor], opts), tensor)
+        return _TorchHandle(dist.all_reduce(tensor, op=op, group=group, async_op=True), tensor)
 
     return issue
+
+
+def upstream_reduce(cache) -> Callable[[list[int]], list[int]]:
+    """A blocking MIN-reduce through the cache's own ``_all_reduce``: upstream's
+    shape on upstream's groups (attn CP then attn TP, as its ready-count sync)."""
+    import torch
+
+    def reduce(values: list[int]) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.int64)
+        cache._all_reduce(tensor, torch.distributed.ReduceOp.MIN)
+        return [int(v) for v in tensor.tolist()]
+
+    return reduce
 
 
 # group -> Collective; tests and the bench swap in their own collective here.
@@ -312,6 +339,7 @@ class CacheState:
                 hints={**MISMATCH_HINTS, **(hints or {})},
             )
         self.head = head_reader(cache)
+        self.greeted = False  # the first exchange ran (first pipelined step)
         self.in_pipelined_step = False
         self.due: Optional[Consumed] = None
         self.due_taken = False  # upstream asked for this step's counts already
@@ -400,12 +428,42 @@ def pipelined_check_hicache_events(state: CacheState, cache, original, *args, **
         return original(cache, *args, **kwargs)
     assert sync is not None  # a pipelined decision always has a sync
     try:
+        if not state.greeted and not first_exchange(state, sync, cache):
+            return original(cache, *args, **kwargs)  # the layout check said blocking
         return _step(state, sync, cache, original, *args, **kwargs)
     except HiCacheAckSyncError as exc:
         if state.metrics is not None:
             reason = "mismatch" if isinstance(exc, HiCacheAckSyncMismatch) else "failure"
             state.metrics.on_failure(reason)
+        # said here too: the scheduler may die on the next collective's error
+        logger.error("%s", exc)
         raise
+
+
+def first_exchange(state: CacheState, sync: PipelinedAckSync, cache) -> bool:
+    """The first pipelined step starts with one blocking exchange carrying the
+    stamp, in upstream's shape and on upstream's groups, before this rank runs
+    any collective the blocking path would not: a peer that does not pipeline
+    (or pipelines with other settings) pairs with it collective for collective
+    and every rank names the disagreement now, not at a later consume (by then
+    a stock peer has died on upstream's digest assert and the next collective
+    fails on a closed connection, or with CP x TP the ranks wait on different
+    groups until the group timeout). It goes through upstream's own
+    _all_reduce, which picks the groups as the blocking path does (attention CP
+    then attention TP, or the TP group). With CP x TP, the check that the TP
+    group spans both follows. False when that check keeps the cache blocking
+    (the same verdict on every rank)."""
+    ready, digest = ready_entries(cache)
+    span = state.static.span
+    sync.greet(len(ready), digest, upstream_reduce(cache))
+    state.greeted = True
+    if span is not None and spanning_group(cache, *span) is None:
+        names = state.static.reason.removeprefix("TP group, equal to ")
+        state.static = Decision(False, no_span_reason(names))
+        state.sync = None
+        state.announce(state.decide(cache))
+        return False
+    return True
 
 
 def _step(state: CacheState, sync: PipelinedAckSync, cache, original, *args, **kwargs):

@@ -99,12 +99,26 @@ class Stamp:
         return cls(protocol=x, auto=auto, depth=depth, digest=digest, obs=obs)
 
 
+def fold_digest(digest: int) -> int:
+    """``digest`` in 42 bits. Upstream's tree cores mask theirs to 42 bits (kept
+    as is); a wider one (a registered external tree core) has its high bits
+    XOR-folded into the low 42, so a divergence above bit 42 still changes the
+    result, where ``% 2**42`` would drop it. Negative values are read as
+    two's complement (a digest taken from an int64 tensor)."""
+    d = int(digest)
+    if d < 0:
+        d &= (1 << max(64, d.bit_length() + 1)) - 1
+    while d >= STOCK_LIMIT:
+        d = (d & (STOCK_LIMIT - 1)) ^ (d >> DIGEST_BITS)
+    return d
+
+
 def pack_stamp(protocol: int, auto: bool, depth: int, digest: int, obs: int) -> int:
     """A :class:`Stamp` as the int that rides in the reduce (a digest wider than
     42 bits is folded into 42: equal digests stay equal)."""
     x = (protocol << AUTO_BITS) | int(auto)
     x = (x << DEPTH_BITS) | depth
-    x = (x << DIGEST_BITS) | (digest % STOCK_LIMIT)
+    x = (x << DIGEST_BITS) | fold_digest(digest)
     return (x << OBS_BITS) | min(max(obs, 0), OBS_MAX)
 
 
@@ -114,8 +128,9 @@ def describe_mismatch(mine: Stamp, lo: Stamp, hi: Stamp, hints: Mapping[str, str
     that field), this rank's value, and what to set."""
     if lo.protocol == 0:
         return (
-            "a peer rank ran SGLang's blocking ack sync on this reduce (it sent a bare "
-            f"digest, {lo.digest}, not a stamp): {hints.get('stock', 'it does not pipeline')}"
+            "this node pipelines, a peer does not: a peer rank ran SGLang's blocking ack "
+            f"sync on this reduce (it sent a bare digest, {lo.digest}, not a stamp): "
+            f"{hints.get('stock', 'it does not pipeline')}"
         )
     for name in Stamp.AGREED:
         a, b, me = getattr(lo, name), getattr(hi, name), getattr(mine, name)
@@ -154,13 +169,22 @@ def observation(waited_s: float, next_pending: bool, step_s: float) -> int:
 class AutoDepth:
     """The depth rule every rank applies to the same agreed observations at the
     same consume, so the depth moves on every rank at once with no extra
-    collective. A rank that waited two steps or more raises the depth by that
-    many at once (a latency step, not noise); a wait under a step raises it by
-    one once some rank waited on ``raise_after`` consecutive consumed reduces.
-    Lower by one when, on ``lower_after`` consecutive ones, every rank found the
-    next reduce already complete. Observations from reduces issued before the
-    last change took effect are ignored (they describe the old depth).
-    ``issued_step`` and ``now_step`` count reduces issued, the same on every rank."""
+    collective. An observation says how many steps some rank waited (rounded
+    up) and whether the next reduce was still in flight.
+
+    * A wait of two steps or more raises the depth by that many at once: the
+      depth that would not have waited (a latency step, not noise).
+    * A wait under two steps raises it by one once some rank waited on
+      ``raise_after`` consecutive consumed reduces (one short wait is noise).
+    * Lower by one when, on ``lower_after`` consecutive ones, nobody waited and
+      every rank found the next reduce already complete.
+
+    After a change, the reduces that still carry an observation made at the old
+    depth are ignored, so one latency episode is counted once: the one issued
+    in the step of the change, plus, after a raise by W, the W issued in the
+    steps whose consume the raise skips (they carry the same observation). So
+    W + 1 after a raise, 1 after a lower. ``issued_step`` and ``now_step``
+    count reduces issued, the same on every rank."""
 
     lo: int = 1
     hi: int = 8
@@ -188,10 +212,10 @@ class AutoDepth:
             new = self.depth - 1
         if new != self.depth:
             self.changes.append((now_step, self.depth, new))
+            # the next issue carries this consume's observation; a raise by W
+            # skips W consumes, whose issues carry it again
+            self._settled_after = now_step + 1 + max(0, new - self.depth)
             self.depth, self._waits, self._clean = new, 0, 0
-            # The next issue carries what this consume saw (the old depth); after
-            # a raise, the one after it too (its step skips the consume).
-            self._settled_after = now_step + 2
         return self.depth
 
 
@@ -255,7 +279,7 @@ class PipelinedAckSync:
     ``hints`` completes a mismatch error with what the operator should do, per
     stamp field ("depth", "auto", "protocol", "digest", and "stock": a peer that
     ran the blocking path). With ``auto``, the depth follows that rule, starting
-    at ``depth``.
+    at ``depth``; ``clock`` (seconds) times the waits it observes.
     """
 
     def __init__(
@@ -265,6 +289,7 @@ class PipelinedAckSync:
         *,
         auto: Optional[AutoDepth] = None,
         hints: Optional[Mapping[str, str]] = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         if not 1 <= depth <= DEPTH_LIMIT:
             raise ValueError(f"depth must be from 1 to {DEPTH_LIMIT}, got {depth}")
@@ -278,7 +303,10 @@ class PipelinedAckSync:
         self._failed: Optional[BaseException] = None
         self._step = 0
         self._obs = 0  # this rank's observation, sent with the next issue
-        self._last_consume = 0.0  # auto depth: when this rank last consumed
+        self.clock = clock
+        # auto depth: when this rank's last consume_due returned, so a step's
+        # length is its own work and forward, not the waits it observes
+        self._since: Optional[float] = None
 
     @property
     def pending(self) -> int:
@@ -337,22 +365,27 @@ class PipelinedAckSync:
         Each is reconciled against the queue heads as the previous ones will
         have left them (their pops applied), so one result pops each entry once."""
         pending = self._pending
-        if len(pending) < keep_below:
-            return None
-        out = Consumed({}, {}, 0, 0)
         if self.auto is None:  # only auto depth needs the observation
+            if len(pending) < keep_below:
+                return None
+            out = Consumed({}, {}, 0, 0)
             while len(pending) >= keep_below:
                 self._consume_oldest(head, out)
             return out
+        clock = self.clock
+        now = clock()
+        step_s = now - self._since if self._since is not None else 0.0
+        if len(pending) < keep_below:
+            self._since = now
+            return None
+        out = Consumed({}, {}, 0, 0)
         waited = 0.0
-        now = time.perf_counter()
-        step_s, self._last_consume = now - self._last_consume, now
         while len(pending) >= keep_below:
             p = pending[0]
-            t0 = time.perf_counter() if not p.handle.is_completed() else 0.0
+            t0 = clock() if not p.handle.is_completed() else None
             self._consume_oldest(head, out)
-            if t0:
-                waited += time.perf_counter() - t0
+            if t0 is not None:
+                waited += clock() - t0
         next_pending = bool(pending) and not pending[0].handle.is_completed()
         self._obs = observation(waited, next_pending, step_s)
         out.waited_s = waited
@@ -360,6 +393,7 @@ class PipelinedAckSync:
         self.depth = self.auto.update(out.obs_max, out.issued_step, self._step)
         if self.depth != before:
             out.depth_change = (before, self.depth)
+        self._since = clock()
         return out
 
     def _wait(self, p: _Pending) -> Sequence[int]:
@@ -374,12 +408,42 @@ class PipelinedAckSync:
             )
         return reduced
 
-    def _mismatch(self, p: _Pending, lo_x: int, hi_x: int) -> NoReturn:
-        mine, lo, hi = Stamp.unpack(p.x), Stamp.unpack(lo_x), Stamp.unpack(hi_x)
+    def greet(
+        self,
+        slots: int,
+        digest: int,
+        reduce: Optional[Callable[[list[int]], Sequence[int]]] = None,
+    ) -> None:
+        """The first exchange, before anything the blocking path would not do:
+        ``slots`` zero counts then ``[x, -x]`` with this rank's stamp, MIN-reduced
+        and checked at once. ``reduce`` is a blocking MIN-reduce in the blocking
+        path's own shape, over its own groups (so a peer running that path pairs
+        with it collective for collective, whatever the topology); by default,
+        one reduce of our collective, waited on at once. Raises
+        :class:`HiCacheAckSyncMismatch` on every rank of a group that disagrees,
+        in this step, before any other collective runs. The counts are zero: the
+        pipelined path pops nothing in its first step anyway."""
+        self._check_usable()
+        x = pack_stamp(PROTOCOL_VERSION, self.auto is not None, self.depth, digest, 0)
+        values = [0] * slots + [x, -x]
+        try:
+            reduced = reduce(values) if reduce is not None else self.collective(values).wait()
+        except Exception as exc:  # re-raised with context
+            self._fail(exc, "the first exchange")
+        if len(reduced) != len(values):
+            self._fail(
+                ValueError(f"reduced {len(reduced)} values, issued {len(values)}"),
+                "reading the first exchange",
+            )
+        lo_x, hi_x = reduced[-2], -reduced[-1]
+        if lo_x >> OBS_BITS != x >> OBS_BITS or hi_x >> OBS_BITS != x >> OBS_BITS:
+            self._mismatch("this cache's first exchange", x, lo_x, hi_x)
+
+    def _mismatch(self, what: str, x: int, lo_x: int, hi_x: int) -> NoReturn:
+        mine, lo, hi = Stamp.unpack(x), Stamp.unpack(lo_x), Stamp.unpack(hi_x)
         why = describe_mismatch(mine, lo, hi, self.hints)
         err = HiCacheAckSyncMismatch(
-            f"HiCache ack sync: ranks disagree on this cache's reduce #{p.step}: "
-            f"{why} Nothing was popped; stopping."
+            f"HiCache ack sync: ranks disagree on {what}: {why} Nothing was popped; stopping."
         )
         self._pending.clear()
         self._failed = err
@@ -394,7 +458,7 @@ class PipelinedAckSync:
         # Every agreed field sits above the observation: equal iff equal there.
         agreed_bits = p.x >> OBS_BITS
         if lo_x >> OBS_BITS != agreed_bits or hi_x >> OBS_BITS != agreed_bits:
-            self._mismatch(p, lo_x, hi_x)
+            self._mismatch(f"this cache's reduce #{p.step}", p.x, lo_x, hi_x)
         pops, agreed = out.pops, out.agreed
         for name, snap, count in zip(p.names, p.ready, reduced):
             if count:
@@ -430,5 +494,6 @@ __all__ = [
     "HiCacheAckSyncMismatch",
     "PipelinedAckSync",
     "Stamp",
+    "fold_digest",
     "still_queued",
 ]
