@@ -34,6 +34,14 @@ DEPTH_AUTO = "auto"
 ALLOW_UNTESTED_VAR = "SGLANG_HICACHE_ASYNC_ACK_ALLOW_UNTESTED"
 ALLOW_UNTESTED_DEFAULT = False
 
+# SGLANG_ENABLE_HICACHE_ASYNC_PREFETCH_VOTES: with a storage backend under the `timeout`
+# prefetch policy, decide every ongoing prefetch's deadline with one async vote reduce
+# per scheduling pass (consumed at the next) instead of one blocking MAX all_reduce per
+# waiting request. Default on; a false spelling keeps SGLang's per-request reduce.
+# Only read while the plugin is on (ENABLE_VAR); set it identically on every node.
+PREFETCH_VOTES_VAR = "SGLANG_ENABLE_HICACHE_ASYNC_PREFETCH_VOTES"
+PREFETCH_VOTES_DEFAULT = True
+
 # SGLANG_PLUGINS: SGLang's own comma-separated whitelist of general plugins. Read
 # here only to report (doctor) whether our entry point would be skipped.
 PLUGINS_VAR = "SGLANG_PLUGINS"
@@ -96,6 +104,11 @@ def read_settings(environ: Optional[Environ] = None) -> Settings:
 def allow_untested(environ: Optional[Environ] = None) -> bool:
     env = os.environ if environ is None else environ
     return parse_bool(ALLOW_UNTESTED_VAR, env.get(ALLOW_UNTESTED_VAR), ALLOW_UNTESTED_DEFAULT)
+
+
+def prefetch_votes_enabled(environ: Optional[Environ] = None) -> bool:
+    env = os.environ if environ is None else environ
+    return parse_bool(PREFETCH_VOTES_VAR, env.get(PREFETCH_VOTES_VAR), PREFETCH_VOTES_DEFAULT)
 
 
 def plugin_whitelisted(environ: Optional[Environ] = None) -> bool:

@@ -112,3 +112,81 @@ class AckSyncMetrics:
             child = self._popped.labels(**self.labels, queue=label)
             self._popped_by_queue[name] = child
         return child
+
+
+# --------------------------------------------------- prefetch termination votes
+_vote_families: Optional[dict[str, Any]] = None
+
+
+def _create_vote_families(labelnames: tuple[str, ...]) -> dict[str, Any]:
+    from prometheus_client import Counter, Gauge, Histogram
+
+    names = list(labelnames)
+    return {
+        "pipelined": Gauge(
+            "sglang:hicache_prefetch_votes_pipelined",
+            "1 while this rank decides storage prefetch deadlines with the pipelined "
+            "vote reduce, 0 on SGLang's per-request blocking reduce.",
+            labelnames=names,
+            multiprocess_mode="mostrecent",
+        ),
+        "wait": Histogram(
+            "sglang:hicache_prefetch_votes_wait_seconds",
+            "Time a scheduling pass waited on the previous pass's vote reduce.",
+            labelnames=names,
+            buckets=WAIT_BUCKETS,
+        ),
+        "issue": Histogram(
+            "sglang:hicache_prefetch_votes_issue_seconds",
+            "Time a scheduling pass spent voting on every ongoing prefetch and issuing the reduce.",
+            labelnames=names,
+            buckets=ISSUE_BUCKETS,
+        ),
+        "voted": Counter(
+            "sglang:hicache_prefetch_votes_operations",
+            "Ongoing storage prefetch operations voted on (one per operation per pass).",
+            labelnames=names,
+        ),
+        "stopped": Counter(
+            "sglang:hicache_prefetch_votes_stopped",
+            "Storage prefetch operations stopped on the group's deadline verdict.",
+            labelnames=names,
+        ),
+        "failures": Counter(
+            "sglang:hicache_prefetch_votes_failures",
+            "Prefetch vote errors: ranks that disagree (mismatch) or a failed collective.",
+            labelnames=[*names, "reason"],
+        ),
+    }
+
+
+class PrefetchVoteMetrics:
+    """One cache's prefetch-vote series (created with --enable-metrics)."""
+
+    def __init__(self, labels: Mapping[str, Any]):
+        global _vote_families
+        self.labels = {k: str(v) for k, v in labels.items()}
+        if _vote_families is None:
+            _vote_families = _create_vote_families(tuple(self.labels))
+        fam = _vote_families
+        self.pipelined = fam["pipelined"].labels(**self.labels)
+        self.wait = fam["wait"].labels(**self.labels)
+        self.issue = fam["issue"].labels(**self.labels)
+        self.voted = fam["voted"].labels(**self.labels)
+        self.stopped = fam["stopped"].labels(**self.labels)
+        self._failures = fam["failures"]
+
+    def on_path(self, pipelined: bool) -> None:
+        self.pipelined.set(1 if pipelined else 0)
+
+    def on_pass(self, wait_s: float, issue_s: float, voted: int) -> None:
+        self.wait.observe(wait_s)
+        self.issue.observe(issue_s)
+        if voted:
+            self.voted.inc(voted)
+
+    def on_stop(self) -> None:
+        self.stopped.inc()
+
+    def on_failure(self, reason: str) -> None:
+        self._failures.labels(**self.labels, reason=reason).inc()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from . import __version__
+from . import __version__, prefetch_sync
 from .ack_sync import (
     CacheState,
     agreed_ready_counts,
@@ -21,7 +21,14 @@ from .ack_sync import (
     pipelined_check_hicache_events,
     state_of,
 )
-from .env import ALLOW_UNTESTED_VAR, ENABLE_VAR, PLUGINS_VAR, allow_untested, read_settings
+from .env import (
+    ALLOW_UNTESTED_VAR,
+    ENABLE_VAR,
+    PLUGINS_VAR,
+    allow_untested,
+    prefetch_votes_enabled,
+    read_settings,
+)
 from .upstream import CACHE_CLASS, check_installed
 
 logger = logging.getLogger("sglang.srt.mem_cache.hicache_async_ack")
@@ -114,6 +121,64 @@ def around_sync_hicache_ready_counts(original, cache, *args, **kwargs):
     return agreed_ready_counts(state_of(cache), cache, original, *args, **kwargs)
 
 
+# ------------------------------------------------------- prefetch termination votes
+_release: Optional[str] = None  # the tested release this SGLang matches (set by the guard)
+_release_known = False
+
+
+def matched_release() -> Optional[str]:
+    """The tested release this SGLang behaves like, method for method (None if none)."""
+    global _release, _release_known
+    if not _release_known:
+        try:
+            _release = check_installed().release
+        except Exception:  # a broken table: the votes stand down
+            _release = None
+        _release_known = True
+    return _release
+
+
+def attach_prefetch(cache) -> prefetch_sync.PrefetchVoteState:
+    """The cache's prefetch-vote state (the setting read now, as for the ack sync)."""
+    blocker = None
+    for name in ("check_hicache_events", "_can_terminate_prefetch"):
+        fn = getattr(type(cache), name, None)
+        if fn is None or not is_hooked(fn):
+            blocker = f"{type(cache).__name__}.{name} is not our hook"
+    return prefetch_sync.attach_state(cache, prefetch_votes_enabled(), matched_release(), blocker)
+
+
+@_hook
+def after_init_hicache_prefetch(result, cache, *args, **kwargs):
+    """AFTER UnifiedRadixCache.init_hicache: the prefetch votes' state (and, with
+    --enable-metrics, their metrics); decided and logged at the first pass."""
+    state = attach_prefetch(cache)
+    params = kwargs.get("params", args[1] if len(args) > 1 else None)
+    if getattr(params, "enable_metrics", False):
+        from .metrics import PrefetchVoteMetrics
+
+        labels = getattr(getattr(cache, "metrics_collector", None), "labels", None)
+        state.metrics = PrefetchVoteMetrics(labels or {"cache_type": type(cache).__name__})
+    return result
+
+
+@_hook
+def after_check_hicache_events(result, cache, *args, **kwargs):
+    """AFTER UnifiedRadixCache.check_hicache_events: the votes' pass boundary."""
+    state = prefetch_sync.state_of(cache)
+    if state is None:
+        state = attach_prefetch(cache)
+    prefetch_sync.on_pass(state, cache)
+    return result
+
+
+@_hook
+def around_can_terminate_prefetch(original, cache, operation, *args, **kwargs):
+    """AROUND UnifiedRadixCache._can_terminate_prefetch: the group's verdict."""
+    state = prefetch_sync.state_of(cache)
+    return prefetch_sync.verdict(state, cache, original, operation, *args, **kwargs)
+
+
 def config_error_hook(error: ValueError):
     """A BEFORE init_hicache hook that raises ``error``: load_plugins() swallows
     what register() raises, so a bad setting stops the server here instead."""
@@ -154,10 +219,37 @@ def config_error_hook(error: ValueError):
 #    (a second call raises before anything more is popped).
 #    Stands down: everywhere else (loading_check's callers, blocking caches) it
 #    calls the original.
+#
+# Storage prefetch termination votes (prefetch_sync.py; upstream checked:
+# 0.5.20-0.5.23, pipelined on 0.5.23 only, whose deadline is the admission-poll
+# timer). Registered with the three above; the votes' own setting,
+# SGLANG_ENABLE_HICACHE_ASYNC_PREFETCH_VOTES, is read per cache at init (a rank
+# with it off still takes part in the one-time agreement on it).
+# 4. init_hicache, AFTER.
+#    Why: the per-cache vote state (and its metrics) needs what init builds.
+#    How: builds it; the decision is made and logged at the first pass.
+#    Stands down: never fails init.
+# 5. check_hicache_events, AFTER.
+#    Why: the scheduler runs it once per pass, before it walks the waiting queue
+#    and asks check_prefetch_progress per request: the pass boundary.
+#    How: consumes the vote reduce issued at the previous pass, then issues one
+#    covering every ongoing prefetch operation, async (at the second eligible
+#    pass, once, a blocking agreement on the setting comes first).
+#    Stands down: no storage backend, a policy other than `timeout`, PP, world
+#    size 1, the setting off, or a release other than 0.5.23: the reduce in
+#    flight is drained and upstream's per-request path runs, with the reason logged.
+# 6. _can_terminate_prefetch, AROUND.
+#    Why: it runs one blocking MAX all_reduce per waiting request.
+#    How: inside a pipelined pass, returns the group's verdict on this operation
+#    (by identity; False until voted on), no collective.
+#    Stands down: calls the original outside a pipelined pass or policy.
 HOOKS: tuple[tuple[str, str, Callable], ...] = (
     ("init_hicache", "AFTER", after_init_hicache),
     ("check_hicache_events", "AROUND", around_check_hicache_events),
     ("_sync_hicache_ready_counts", "AROUND", around_sync_hicache_ready_counts),
+    ("init_hicache", "AFTER", after_init_hicache_prefetch),
+    ("check_hicache_events", "AFTER", after_check_hicache_events),
+    ("_can_terminate_prefetch", "AROUND", around_can_terminate_prefetch),
 )
 
 
@@ -168,6 +260,7 @@ def register() -> None:
     try:
         settings = read_settings()
         untested_ok = allow_untested()
+        prefetch_votes_enabled()  # validated here; read per cache at init
     except ValueError as error:
         # load_plugins() swallows exceptions from plugins; raise from a hook at
         # HiCache init instead so the server refuses to start with a bad value.
@@ -214,6 +307,8 @@ def guard_allows(untested_ok: bool) -> bool:
     except Exception as exc:  # e.g. the table missing from a broken install
         logger.error("%s: cannot judge this SGLang (%r); registering no hooks", TAG, exc)
         return False
+    global _release, _release_known
+    _release, _release_known = verdict.release, True  # for the prefetch votes
     if verdict.status == "tested":
         logger.info("%s: %s; pipelining allowed", TAG, verdict.summary())
         return True

@@ -144,6 +144,20 @@ TARGETS: tuple[Target, ...] = (
         "the groups upstream reduces over; the plugin picks the same",
     ),
     Target(
+        _URC,
+        "UnifiedRadixCache._can_terminate_prefetch",
+        ("self", "operation"),
+        BODY,
+        "hooked AROUND: the prefetch votes answer it (one blocking MAX per request upstream)",
+    ),
+    Target(
+        _URC,
+        "UnifiedRadixCache.check_prefetch_progress",
+        None,
+        BODY,
+        "asks _can_terminate_prefetch once per ongoing operation and acts on the verdict",
+    ),
+    Target(
         "sglang.srt.plugins.hook_registry",
         "_wrap_fn",
         None,

@@ -1,0 +1,146 @@
+"""Seeded prefetch scenarios on real gloo ranks: requests waiting on storage
+prefetches, deadlines that each rank's clock sees at another pass, and
+lifecycle events, driven through SGLang's real cache methods.
+
+A rank target for :mod:`hicache_async_ack.tools.ranks` (``run_prefetch_specs``).
+Per pass, as the scheduler does: new requests start their prefetch (the set
+and the deadlines come from a generator every rank shares; the order they are
+added in, and each rank's clock skew, are this rank's own), lifecycle events
+run (reset, storage detach then attach, an aborted request), then
+``check_hicache_events`` (the ack sync and the votes' pass boundary), then
+``check_prefetch_progress`` for the waiting requests in queue order, up to a
+budget (the batch filling up). The deadline each rank sees is a pass number
+(``_prefetch_deadline_expired`` replaced per rank), so "the same verdict in the
+same pass" can be checked exactly.
+
+Spec keys: name, seed, passes, warmup (passes before the first request),
+env / rank_env ({rank: settings}), events (bool), check_all (every waiting
+request every pass), expect_error.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+import traceback
+from types import SimpleNamespace
+
+from ..env import ENABLE_VAR, PREFETCH_VOTES_VAR
+from .prefetch_sim import add_prefetch
+from .sim_cache import build_cache
+
+VARS = (ENABLE_VAR, PREFETCH_VOTES_VAR)
+
+
+def _apply_env(spec: dict, rank: int, saved: dict) -> None:
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    os.environ.update(spec.get("env", {}))
+    os.environ.update(spec.get("rank_env", {}).get(str(rank), {}))
+
+
+def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
+    from ..sglang_plugin import after_init_hicache, after_init_hicache_prefetch
+
+    clock = SimpleNamespace(now=-1)
+    sim = build_cache(tp_group=group, tp_world_size=world, storage=True)
+    ps = add_prefetch(sim, deadline=lambda op: clock.now >= op.test_deadline[rank])
+    params = SimpleNamespace(enable_metrics=False)
+    after_init_hicache(None, sim.cache, None, params)
+    after_init_hicache_prefetch(None, sim.cache, None, params)
+    shared = random.Random(spec["seed"])  # the same draws on every rank
+    local = random.Random(spec["seed"] * 1000 + rank)  # this rank's own
+    cache = sim.cache
+    added: list = []
+    per_pass: list = []
+    started: dict = {}  # key -> pass it started
+    detached_until = -1
+    n_id = 0
+    out: dict = {"events": {}}
+    total = spec["passes"] + spec.get("drain", 40)
+    p = 0
+    try:
+        for p in range(total):
+            clock.now = p
+            arriving = p >= spec.get("warmup", 3) and p < spec["passes"]
+            if arriving and cache.enable_storage:
+                k = shared.randint(0, 3)
+                births = []
+                for _ in range(k):
+                    life = shared.randint(1, 6)
+                    skews = [shared.randint(0, 3) for _ in range(world)]
+                    births.append((f"r{n_id}", [p + life + s for s in skews]))
+                    n_id += 1
+                local.shuffle(births)  # arrival order differs per rank
+                for rid, deadlines in births:
+                    h = ps.add(rid)
+                    cache.ongoing_prefetch[h].operation.test_deadline = deadlines
+                    added.append((rid, 0))
+                    started[(rid, 0)] = p
+            if spec.get("events") and arriving:
+                ev = shared.random()
+                if ev < 0.03 and cache.enable_storage:
+                    ps.reset()
+                    out["events"]["reset"] = out["events"].get("reset", 0) + 1
+                elif ev < 0.06 and cache.enable_storage:
+                    ps.detach()
+                    detached_until = p + shared.randint(1, 4)
+                    out["events"]["detach"] = out["events"].get("detach", 0) + 1
+                elif ev < 0.15 and cache.ongoing_prefetch:
+                    keys = sorted(cache.ongoing_prefetch, key=lambda h: h.rid)
+                    ps.revoke(keys[shared.randrange(len(keys))])
+                    out["events"]["abort"] = out["events"].get("abort", 0) + 1
+            if not cache.enable_storage and p >= detached_until:
+                sim.attach_storage()
+                out["events"]["attach"] = out["events"].get("attach", 0) + 1
+            before = len(ps.ended)
+            cache.check_hicache_events()
+            waiting = sorted(cache.ongoing_prefetch, key=lambda h: int(h.rid[1:]))
+            budget = len(waiting) if spec.get("check_all") else shared.randint(0, len(waiting))
+            for h in waiting[:budget]:
+                ps.check(h)
+            per_pass.append(sorted(ps.ended[before:]))
+            if p >= spec["passes"] and not cache.ongoing_prefetch:
+                break
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        out["traceback"] = traceback.format_exc()
+        out["error_pass"] = p
+    from ..prefetch_sync import state_of
+
+    state = state_of(cache)
+    out.update(
+        per_pass=per_pass,
+        added=added,
+        started=started,
+        left=len(cache.ongoing_prefetch),
+        stopped_on_verdict=state.stopped if state else 0,
+        pipelined=bool(state and state.active),
+        checks=ps.checks,
+    )
+    return out
+
+
+def run_prefetch_specs(ctx, payload: dict) -> dict:
+    """Rank target: SGLang's load_plugins(), then each spec on a fresh TP group."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from sglang.srt.plugins import load_plugins
+
+    saved = {k: os.environ.get(k) for k in VARS}
+    load_plugins()
+    timeout = timedelta(seconds=payload.get("group_timeout_s", 60.0))
+    results: dict = {}
+    for spec in payload["specs"]:
+        _apply_env(spec, ctx.rank, saved)
+        group = dist.new_group(list(range(ctx.world_size)), backend="gloo", timeout=timeout)
+        t0 = time.monotonic()
+        results[spec["name"]] = run_prefetch_scenario(spec, ctx.rank, ctx.world_size, group)
+        results[spec["name"]]["seconds"] = time.monotonic() - t0
+        ctx.report(len(results))
+    return results

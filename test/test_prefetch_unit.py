@@ -1,0 +1,219 @@
+"""Prefetch termination votes on the real UnifiedRadixCache (one process).
+
+SGLang's own check_prefetch_progress / _can_terminate_prefetch / deadline timer
+run on upstream's PrefetchOperation; the vote reduce goes through a MinHub
+(a programmable peer stands for the other ranks, or two caches share a hub).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache_async_ack import ack_sync, votes
+from hicache_async_ack.env import ENABLE_VAR, PREFETCH_VOTES_VAR
+from hicache_async_ack.testing.collectives import MinHub
+from hicache_async_ack.testing.prefetch_sim import add_prefetch
+from hicache_async_ack.votes import HEADER, LAYOUT, PrefetchVoteMismatch
+
+NO_ACK_SYNC = {ENABLE_VAR: "0"}  # keep the ack reduce out of these hubs (hooks stay)
+
+
+@pytest.fixture
+def vote_hub(monkeypatch):
+    return MinHub(world=1)
+
+
+@pytest.fixture
+def make_prefetch(make_cache, plugin, vote_hub, monkeypatch):
+    """A cache with storage and the prefetch path; its votes go to ``vote_hub``
+    (rank ``rank`` of it); upstream's blocking reduce is counted."""
+
+    def make(rank=0, hub=None, policy="timeout", deadline=None, timeout_s=3600.0, env=None):
+        sim = make_cache(tp=2, storage=True, env={**NO_ACK_SYNC, **(env or {})})
+        ps = add_prefetch(sim, policy=policy, timeout_s=timeout_s, deadline=deadline)
+        ps.blocking = []  # upstream's per-request reduces (world of one: a no-op)
+
+        def all_reduce(t, op):
+            if t.numel() == 1:  # the per-request vote (the ack reduce is longer)
+                ps.blocking.append(t.item())
+
+        sim.cache.__dict__["_all_reduce"] = all_reduce
+        h = hub or vote_hub
+        monkeypatch.setattr(ack_sync, "collective_factory", lambda group: h.collective(rank))
+        ps.state = plugin.attach_prefetch(sim.cache)
+        return ps
+
+    return make
+
+
+def run_pass(ps, handles=None):
+    """One scheduling pass: check_hicache_events, then the waiting requests."""
+    ps.cache.check_hicache_events()
+    handles = list(ps.cache.ongoing_prefetch) if handles is None else handles
+    return {(h.rid, h.attempt_id): ps.check(h) for h in handles}
+
+
+def stop_slot(hub, index):
+    """A peer that votes to stop the operation in slot ``index`` of vote reduces."""
+
+    def peer(values):
+        out = list(values)
+        if len(values) == LAYOUT:
+            out[HEADER + index] = 0
+        return out
+
+    hub.peer = peer
+
+
+def test_one_vote_reduce_per_pass_replaces_the_per_request_reduces(make_prefetch, vote_hub):
+    ps = make_prefetch()
+    hs = [ps.add(r) for r in ("b", "a", "c")]
+    run_pass(ps)  # pass 1: upstream's path (the agreement comes at pass 2)
+    assert len(ps.blocking) == 3 and vote_hub.issued == []
+    ps.blocking.clear()
+    assert run_pass(ps) == {(h.rid, 0): False for h in hs}  # pass 2: nothing voted yet
+    assert ps.blocking == []  # no collective per request any more
+    agreement, vote = vote_hub.issued
+    assert len(agreement) == 4 and agreement[:2] == [1, -1]
+    assert len(vote) == LAYOUT and vote[:2] == [3, -3]
+    stop_slot(vote_hub, 1)  # slot order is key order: a, b, c -> "b"
+    out = run_pass(ps)  # pass 3: the verdicts of pass 2
+    assert out == {("b", 0): True, ("a", 0): False, ("c", 0): False}
+    assert ps.ended == [(("b", 0), "deadline")]
+    assert ps.blocking == [] and ps.state.stopped == 1
+    assert len(vote_hub.issued) == 3  # one more vote reduce, nothing else
+
+
+def test_verdict_is_one_pass_late_on_the_real_timer(make_prefetch):
+    ps = make_prefetch(timeout_s=0.0)
+    h = ps.add("r")
+    run_pass(ps)  # blocking pass: not expired yet, upstream starts the timer
+    assert "r" not in [k[0] for k, _ in ps.ended]
+    assert run_pass(ps) == {("r", 0): False}  # votes "expired" now, no verdict yet
+    assert run_pass(ps) == {("r", 0): True}  # the group's verdict, one pass later
+    assert ps.ended == [(("r", 0), "deadline")]
+    assert ps.cache._storage_prefetch_wait[h].expired  # upstream's agreed-verdict mark
+
+
+def test_verdicts_follow_operations_by_identity(make_prefetch, vote_hub):
+    ps = make_prefetch()
+    for _ in range(2):
+        run_pass(ps)
+    h = ps.add("x")
+    run_pass(ps, handles=[])  # "x" is voted on at this pass
+    stop_slot(vote_hub, 0)
+    ps.revoke(h)  # aborted in between; a new attempt takes the same request id
+    ps.add("x")
+    vote_hub.peer = None
+    out = run_pass(ps)
+    assert out == {("x", 0): False}  # the verdict was for the revoked operation
+    assert ps.ended == [(("x", 0), "dropped")]
+
+
+def test_reset_and_detach_between_issue_and_consume(make_prefetch, vote_hub):
+    ps = make_prefetch()
+    for _ in range(2):
+        run_pass(ps)
+    ps.add("a"), ps.add("b")
+    run_pass(ps, handles=[])
+    stop_slot(vote_hub, 0)
+    ps.reset()
+    assert run_pass(ps) == {}  # nothing left to ask about; no error, no stop
+    ps.add("c")
+    run_pass(ps, handles=[])
+    ps.detach()  # storage detached mid-prefetch: the vote in flight is drained
+    issued = len(vote_hub.issued)
+    assert run_pass(ps) == {}
+    assert len(vote_hub.issued) == issued and not ps.state.active
+    assert vote_hub.handles[-1].waited
+    assert [k for k, _ in ps.ended] == [("a", 0), ("b", 0), ("c", 0)]
+    assert all(reason == "dropped" for _, reason in ps.ended)
+
+
+def test_same_verdicts_whatever_order_requests_arrive_in(make_prefetch):
+    hub = MinHub(world=2)
+    expired = {0: {"m"}, 1: {"q"}}  # each rank's own clock
+    ranks = [
+        make_prefetch(rank=r, hub=hub, deadline=lambda op, r=r: op.request_id in expired[r])
+        for r in (0, 1)
+    ]
+    for ps in ranks:
+        # one thread runs both "ranks": the blocking agreement cannot pair here
+        # (the gloo tests run it); start them agreed
+        ps.state.agreed = True
+        run_pass(ps, handles=[])
+    for ps, order in zip(ranks, ("mqz", "zqm")):
+        for rid in order:
+            ps.add(rid)
+    for ps in ranks:
+        run_pass(ps, handles=[])
+    outs = [run_pass(ps) for ps in ranks]
+    assert outs[0] == outs[1] == {("m", 0): True, ("q", 0): True, ("z", 0): False}
+    assert sorted(ranks[0].ended) == sorted(ranks[1].ended)
+
+
+def test_ranks_that_disagree_on_the_set_stop_before_any_verdict(make_prefetch, vote_hub):
+    ps = make_prefetch()
+    for _ in range(2):
+        run_pass(ps)
+    ps.add("a")
+    run_pass(ps, handles=[])
+    vote_hub.peer = lambda v: [2, -2, *v[2:]] if len(v) == LAYOUT else v
+    with pytest.raises(PrefetchVoteMismatch, match="number of ongoing storage prefetch"):
+        run_pass(ps)
+    assert ps.ended == []
+
+
+def test_same_count_other_requests_is_a_mismatch(make_prefetch, vote_hub):
+    ps = make_prefetch()
+    for _ in range(2):
+        run_pass(ps)
+    ps.add("a")
+    run_pass(ps, handles=[])
+    other = votes.pack_stamp(votes.VOTES_PROTOCOL, False, 1, votes.set_digest([("z", 0)]), 0)
+
+    def peer(v):
+        if len(v) != LAYOUT:
+            return v
+        return [v[0], v[1], min(v[2], other), min(v[3], -other), *v[4:]]
+
+    vote_hub.peer = peer
+    with pytest.raises(PrefetchVoteMismatch, match="not the same requests"):
+        run_pass(ps)
+
+
+def test_a_peer_with_the_votes_off_stops_at_the_agreement(make_prefetch, vote_hub):
+    ps = make_prefetch()
+    vote_hub.peer = lambda v: [0, 0, *v[2:]] if len(v) == 4 else v
+    run_pass(ps)
+    with pytest.raises(PrefetchVoteMismatch, match=f"{PREFETCH_VOTES_VAR} differs"):
+        run_pass(ps)
+    assert vote_hub.issued and len(vote_hub.issued) == 1  # the agreement only
+
+
+def test_votes_off_keeps_upstreams_reduce_after_agreeing(make_prefetch, vote_hub):
+    ps = make_prefetch(env={PREFETCH_VOTES_VAR: "0"})
+    ps.add("a")
+    for _ in range(3):
+        run_pass(ps)
+    assert len(ps.blocking) == 3 and [len(v) for v in vote_hub.issued] == [4]
+    assert vote_hub.issued[0][:2] == [0, 0]
+
+
+@pytest.mark.parametrize("policy, result", [("best_effort", True), ("wait_complete", False)])
+def test_other_policies_stay_upstreams(make_prefetch, vote_hub, policy, result):
+    ps = make_prefetch(policy=policy)
+    ps.add("a")
+    outs = [run_pass(ps) for _ in range(3)]
+    assert outs[0] == {("a", 0): result}
+    assert vote_hub.issued == [] and ps.blocking == []
+    assert "runs no collective" in ps.state.decide(ps.cache).reason
+
+
+def test_pp_and_untested_releases_stand_down(make_prefetch, plugin, monkeypatch):
+    ps = make_prefetch()
+    ps.cache.__dict__["pp_size"] = 2
+    assert "pp_size=2" in ps.state.eligible(ps.cache).reason
+    monkeypatch.setattr(plugin, "_release", "0.5.22")
+    state = plugin.attach_prefetch(ps.cache)
+    assert not state.static.pipelined and "0.5.23" in state.static.reason
