@@ -57,7 +57,6 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
     cache = sim.cache
     added: list = []
     per_pass: list = []
-    started: dict = {}  # key -> pass it started
     detached_until = -1
     n_id = 0
     out: dict = {"events": {}}
@@ -66,6 +65,7 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
     try:
         for p in range(total):
             clock.now = p
+            before = len(ps.ended)
             arriving = p >= spec.get("warmup", 3) and p < spec["passes"]
             if arriving and cache.enable_storage:
                 k = shared.randint(0, 3)
@@ -80,7 +80,6 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
                     h = ps.add(rid)
                     cache.ongoing_prefetch[h].operation.test_deadline = deadlines
                     added.append((rid, 0))
-                    started[(rid, 0)] = p
             if spec.get("events") and arriving:
                 ev = shared.random()
                 if ev < 0.03 and cache.enable_storage:
@@ -97,7 +96,6 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
             if not cache.enable_storage and p >= detached_until:
                 sim.attach_storage()
                 out["events"]["attach"] = out["events"].get("attach", 0) + 1
-            before = len(ps.ended)
             cache.check_hicache_events()
             waiting = sorted(cache.ongoing_prefetch, key=lambda h: int(h.rid[1:]))
             budget = len(waiting) if spec.get("check_all") else shared.randint(0, len(waiting))
@@ -116,7 +114,6 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
     out.update(
         per_pass=per_pass,
         added=added,
-        started=started,
         left=len(cache.ongoing_prefetch),
         stopped_on_verdict=state.stopped if state else 0,
         pipelined=bool(state and state.active),
