@@ -217,3 +217,22 @@ def test_pp_and_untested_releases_stand_down(make_prefetch, plugin, monkeypatch)
     monkeypatch.setattr(plugin, "_release", "0.5.22")
     state = plugin.attach_prefetch(ps.cache)
     assert not state.static.pipelined and "0.5.23" in state.static.reason
+
+
+def test_the_setting_names_its_accepted_values():
+    from hicache_async_ack.env import prefetch_votes_enabled
+
+    assert prefetch_votes_enabled({}) is True
+    assert prefetch_votes_enabled({PREFETCH_VOTES_VAR: "No"}) is False
+    with pytest.raises(ValueError, match=f"{PREFETCH_VOTES_VAR}='maybe'.*accepted values"):
+        prefetch_votes_enabled({PREFETCH_VOTES_VAR: "maybe"})
+
+
+def test_window_covers_every_operation_when_there_are_more_than_slots():
+    n = votes.VOTE_SLOTS * 2 + 7
+    seen = set()
+    for p in range(3):
+        w = list(votes.window(n, p))
+        assert len(w) == votes.VOTE_SLOTS == len(set(w))
+        seen.update(w)
+    assert seen == set(range(n))

@@ -26,6 +26,8 @@ from ..env import (
     ENABLE_VAR,
     ENTRY_POINT_NAME,
     PLUGINS_VAR,
+    PREFETCH_VOTES_DEFAULT,
+    PREFETCH_VOTES_VAR,
     allow_untested,
     parse_bool,
     parse_depth,
@@ -129,6 +131,34 @@ def _add_settings(rep: Report) -> None:
             rep.add(var, f"{shown} -> depth {value}{default_note}")
 
 
+def _add_prefetch_votes(rep: Report) -> None:
+    """The storage-prefetch votes: their setting and whether this SGLang's prefetch
+    path is one they pipeline (informational: they never make the plugin inactive,
+    except an invalid value, which stops the server)."""
+    from ..prefetch_sync import release_blocker
+
+    raw = os.environ.get(PREFETCH_VOTES_VAR)
+    shown = "unset" if raw is None else repr(raw)
+    try:
+        on = parse_bool(PREFETCH_VOTES_VAR, raw, PREFETCH_VOTES_DEFAULT)
+    except ValueError as exc:
+        rep.add(PREFETCH_VOTES_VAR, f"{shown} -> INVALID: {exc}")
+        rep.block(f"{PREFETCH_VOTES_VAR} is invalid: HiCache init would raise")
+        return
+    if not on:
+        rep.add(PREFETCH_VOTES_VAR, f"{shown} -> off: one blocking reduce per waiting prefetch")
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        why = release_blocker(check_installed().release)
+    where = (
+        f"stands down on this SGLang ({why})"
+        if why
+        else "pipelined with a storage backend under the timeout policy (TP > 1, no PP)"
+    )
+    rep.add(PREFETCH_VOTES_VAR, f"{shown} -> on: prefetch termination votes {where}")
+
+
 def _add_upstream(rep: Report) -> None:
     """The installed SGLang against the tested releases, fingerprint by fingerprint."""
     try:
@@ -208,6 +238,7 @@ def diagnose(tp: int, step_ms: float, rounds: int) -> Report:
         rep.add(PLUGINS_VAR, f"{raw_plugins!r} -> SKIPPED ({ENTRY_POINT_NAME} not listed)")
         rep.block(f"{PLUGINS_VAR}={raw_plugins!r} does not list {ENTRY_POINT_NAME}")
     _add_settings(rep)
+    _add_prefetch_votes(rep)
 
     if rounds > 0:
         try:
