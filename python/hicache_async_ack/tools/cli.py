@@ -1,4 +1,5 @@
-"""``hicache-async-ack`` command line: ``bench``, ``doctor`` and ``upstream-patch``."""
+"""``hicache-async-ack`` command line: ``bench``, ``bench-server``, ``cpu-server``,
+``doctor`` and ``upstream-patch``."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import signal
 import sys
 
 from .. import __version__
-from . import doctor, upstream_patch
+from . import cpu_server, doctor, upstream_patch
 from .bench import driver as bench
+from .bench import server as bench_server
 from .options import ToolError
 from .ranks import RanksFailed
 
@@ -21,9 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(
-        dest="command", metavar="{bench,doctor,upstream-patch}", required=True
+        dest="command",
+        metavar="{bench,bench-server,cpu-server,doctor,upstream-patch}",
+        required=True,
     )
     bench.add_parser(sub)
+    bench_server.add_parser(sub)
+    cpu_server.add_parser(sub)
     doctor.add_parser(sub)
     upstream_patch.add_parser(sub)
     return parser
@@ -34,7 +40,12 @@ def _terminate(signum, frame):
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # cpu-server passes what it does not know on to launch_server; nothing else may.
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     previous = signal.signal(signal.SIGTERM, _terminate)  # tear ranks down on SIGTERM too
     try:
         return args.func(args)

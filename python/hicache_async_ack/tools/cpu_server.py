@@ -1,0 +1,94 @@
+"""``hicache-async-ack cpu-server``: SGLang's real launch_server on a CPU-only host.
+
+Every argument it does not know goes to ``python -m sglang.launch_server``,
+after its CPU defaults, so yours win. For tests, demos and the bench, never
+production: the CPU stand-ins it loads replace GPU kernels with plain copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..testing import cpu_server
+from ..testing.cpu_server.model import default_dir
+from ..testing.cpu_server.standins import parse_latency_ms, parse_skew
+
+SUMMARY = "run SGLang's real launch_server on this CPU-only host (tests, demos, bench)"
+DESCRIPTION = (
+    "Start `python -m sglang.launch_server` with a bundled tiny model (2-layer Llama, "
+    "real BPE tokenizer, dummy weights) and CPU stand-ins for the GPU-only pieces on the "
+    "HiCache path. Every argument not listed here is passed to launch_server after the "
+    "CPU defaults (so it wins). Example: hicache-async-ack cpu-server --tp 2 "
+    "--enable-hierarchical-cache --host 127.0.0.1 --port 30000"
+)
+
+
+def _skew(raw: str) -> str:
+    try:
+        parse_skew(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return raw
+
+
+def _latency(raw: str) -> float:
+    try:
+        return parse_latency_ms(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("cpu-server", help=SUMMARY, description=DESCRIPTION, allow_abbrev=False)
+    p.add_argument(
+        "--cpu-skew",
+        metavar="POLLS",
+        type=_skew,
+        help="make acks finish at different times on different ranks: comma-separated "
+        "polls per rank before a finish event reports done, e.g. 0,3",
+    )
+    p.add_argument(
+        "--cpu-reduce-latency-ms",
+        metavar="MS",
+        type=_latency,
+        default=0.0,
+        help="model a host with slow gloo: HiCache's blocking all_reduce sleeps MS first, "
+        "the plugin's async reduces complete MS after issue (the seed's host: 3.2)",
+    )
+    p.add_argument(
+        "--cpu-model-dir",
+        metavar="DIR",
+        help=f"where the tiny model is built once (default {default_dir()})",
+    )
+    p.add_argument(
+        "--cpu-print-command",
+        action="store_true",
+        help="print the command and environment instead of starting the server",
+    )
+    p.set_defaults(func=run, passthrough=True)
+    return p
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    rest = list(args.rest)
+    cmd = cpu_server.command(rest, Path(args.cpu_model_dir) if args.cpu_model_dir else None)
+    env = cpu_server.environment(cmd, skew=args.cpu_skew, latency_ms=args.cpu_reduce_latency_ms)
+    shown = {k: env[k] for k in sorted(set(env) - set(os.environ) | {"PYTHONPATH"}) if k in env}
+    print("hicache-async-ack cpu-server: CPU stand-ins (test support, never production):",
+          file=sys.stderr)  # fmt: skip
+    print(cpu_server.describe_standins(), file=sys.stderr)
+    if args.cpu_skew:
+        print(f"  - skew: acks report done after {args.cpu_skew} polls per rank", file=sys.stderr)
+    if args.cpu_reduce_latency_ms:
+        print(f"  - injected latency: {args.cpu_reduce_latency_ms:g} ms per HiCache all_reduce",
+              file=sys.stderr)  # fmt: skip
+    print("hicache-async-ack cpu-server: " + " ".join(f"{k}={v}" for k, v in shown.items()),
+          file=sys.stderr)  # fmt: skip
+    print("hicache-async-ack cpu-server: $ " + " ".join(cmd), file=sys.stderr, flush=True)
+    if args.cpu_print_command:
+        return 0
+    os.execve(cmd[0], cmd, env)  # the server takes this process over (signals, exit code)

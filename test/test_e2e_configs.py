@@ -1,0 +1,105 @@
+"""End to end on SGLang's real server: the other configurations an operator runs.
+
+One server per class (torn down when the class is done, so idle schedulers do
+not compete for the two cores): write-back with the normal (non-overlap)
+scheduler loop, the plugin excluded by SGLANG_PLUGINS, and TP=4.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from hicache_async_ack.env import PLUGINS_VAR
+
+from e2e_servers import host_tokens, metric_samples, prompts, serve
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = prompts(10, seed=1)
+
+
+def resend_hits(server) -> list[int]:
+    """Overflow the device pool, then re-send the first prompts: host-hit tokens."""
+    for p in PROMPTS:
+        server.generate(p, max_new_tokens=4)
+    return [host_tokens(server.generate(p, max_new_tokens=4)) for p in PROMPTS[:4]]
+
+
+def popped_by_rank(server) -> dict:
+    out: dict = {}
+    for s in metric_samples(server, "sglang:hicache_ack_sync_popped_entries_total"):
+        if s.name.endswith("_total"):
+            out.setdefault(s.labels["tp_rank"], {})[s.labels["queue"]] = s.value
+    return out
+
+
+def assert_pipelined(server, ranks: int) -> None:
+    log = server.log()
+    for rank in range(ranks):
+        assert f"TP{rank}] HiCache ack sync: pipelined" in log
+    gauges = metric_samples(server, "sglang:hicache_ack_sync_pipelined")
+    assert sorted(s.labels["tp_rank"] for s in gauges) == [str(r) for r in range(ranks)]
+    assert all(s.value == 1.0 for s in gauges)
+
+
+class TestWriteBackNormalLoop:
+    @pytest.fixture(scope="class")
+    def server(self, tmp_path_factory):
+        args = ["--hicache-write-policy", "write_back", "--disable-overlap-schedule"]
+        yield from serve(tmp_path_factory.mktemp("wb"), "write-back", args, skew="2,0")
+
+    def test_pipelines_and_loads_back_from_host(self, server):
+        assert_pipelined(server, 2)
+        hits = resend_hits(server)
+        assert any(h > 0 for h in hits), hits
+        popped = popped_by_rank(server)
+        assert popped["0"] == popped["1"]  # the same entries on every rank
+        assert sum(v for q, v in popped["0"].items() if "load" in q) > 0, popped
+
+    def test_concurrent_requests_and_flush(self, server):
+        burst = prompts(8, seed=3)
+        replies: dict = {}
+        threads = [
+            threading.Thread(
+                target=lambda i=i: replies.__setitem__(i, server.generate(burst[i], 12))
+            )
+            for i in range(len(burst))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert sorted(replies) == list(range(len(burst)))
+        assert b"Cache flushed" in server.post("/flush_cache?timeout=30")
+        again = server.generate(burst[0], 12)
+        assert again["text"] == replies[0]["text"]  # greedy, same weights: same tokens
+        assert not server.exited()
+
+
+class TestPluginExcludedBySglangPlugins:
+    @pytest.fixture(scope="class")
+    def server(self, tmp_path_factory):
+        tmp = tmp_path_factory.mktemp("excluded")
+        yield from serve(tmp, "excluded", env={PLUGINS_VAR: "some_other_plugin"})
+
+    def test_stock_behaviour(self, server):
+        hits = resend_hits(server)
+        assert any(h > 0 for h in hits), hits  # HiCache itself works
+        assert "HiCache ack sync" not in server.log()  # the plugin never loaded
+        assert metric_samples(server, "sglang:hicache_ack_sync_pipelined") == []
+
+
+class TestTP4:
+    @pytest.fixture(scope="class")
+    def server(self, tmp_path_factory):
+        yield from serve(tmp_path_factory.mktemp("tp4"), "tp4", ["--tp", "4"], skew="0,1,2,3")
+
+    def test_pipelines_on_four_ranks(self, server):
+        assert_pipelined(server, 4)
+        hits = resend_hits(server)
+        assert any(h > 0 for h in hits), hits
+        popped = popped_by_rank(server)
+        assert sorted(popped) == ["0", "1", "2", "3"]
+        assert all(popped[r] == popped["0"] for r in popped)
