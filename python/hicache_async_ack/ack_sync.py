@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional
 
@@ -367,7 +366,8 @@ class CacheState:
             return
         self._announced = key
         if self.metrics is not None:
-            self.metrics.on_path(decision.pipelined, self.sync.depth if self.sync else 0)
+            depth = self.sync.depth if self.sync else 0
+            self.metrics.on_path(decision.pipelined, depth, decision.world_size)
         tag = f"; {self.tag}" if self.tag else ""
         depth = f"auto from {self.settings.depth}" if self.settings.auto else self.settings.depth
         line = (
@@ -468,10 +468,11 @@ def first_exchange(state: CacheState, sync: PipelinedAckSync, cache) -> bool:
 
 def _step(state: CacheState, sync: PipelinedAckSync, cache, original, *args, **kwargs):
     metrics = state.metrics  # None: nothing is timed or recorded
-    t0 = time.perf_counter() if metrics is not None else 0.0
+    clock = sync.clock  # time.perf_counter, or a test's model clock
+    t0 = clock() if metrics is not None else 0.0
     # Step 2: wait on the due reduce (normally long complete) and reconcile it.
     state.due = due = sync.consume_due(state.head)
-    t1 = time.perf_counter() if metrics is not None else 0.0
+    t1 = clock() if metrics is not None else 0.0
     if due is not None and due.depth_change is not None:
         state.depth_changed(*due.depth_change)
     state.due_taken = False
@@ -482,11 +483,12 @@ def _step(state: CacheState, sync: PipelinedAckSync, cache, original, *args, **k
         state.in_pipelined_step = False
         state.due = None
     # Step 5, after the pops: count what is ready now and put it in flight.
-    t2 = time.perf_counter() if metrics is not None else 0.0
+    t2 = clock() if metrics is not None else 0.0
     ready, digest = ready_entries(cache)
     sync.issue(ready, digest)
-    if metrics is not None:
-        metrics.on_step(t1 - t0, time.perf_counter() - t2, due.pops if due else {})
+    if metrics is not None:  # the wait only for steps that had a reduce due
+        waited = None if due is None else t1 - t0
+        metrics.on_step(waited, clock() - t2, due.pops if due else {})
     return result
 
 

@@ -98,11 +98,17 @@ def after_init_hicache(result, cache, *args, **kwargs):
 
 
 def metrics_for(cache):
-    """The sync's metrics, labelled like the cache's other metrics."""
-    from .metrics import AckSyncMetrics
+    """The sync's metrics, labelled like the cache's other metrics and created
+    through the same collector classes; None (logged) if they cannot be made."""
+    from .metrics import metrics_for_labels
 
-    labels = getattr(getattr(cache, "metrics_collector", None), "labels", None)
-    return AckSyncMetrics(labels or {"cache_type": type(cache).__name__})
+    collector = getattr(cache, "metrics_collector", None)
+    labels = getattr(collector, "labels", None)
+    metrics = metrics_for_labels(labels or {"cache_type": type(cache).__name__}, collector)
+    pools = getattr(getattr(cache, "cache_controller", None), "extra_host_mem_release_queues", {})
+    if metrics is not None and pools:
+        metrics.add_queues(("extra", pool) for pool in pools)
+    return metrics
 
 
 @_hook

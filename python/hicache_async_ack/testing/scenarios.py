@@ -31,7 +31,7 @@ from .. import core
 from ..ack_sync import state_of
 from ..env import DEPTH_VAR, ENABLE_VAR
 from ..sglang_plugin import after_init_hicache
-from .collectives import delayed
+from .model_time import ModelClock, modelled
 from .sim_cache import build_cache
 from .traffic import StepClock, Traffic, TrafficSpec
 
@@ -116,9 +116,14 @@ class RankDriver:
             after_init_hicache(None, self.sim.cache, None, params)
         state = state_of(self.sim.cache)
         self.step = 0
+        self.clock: Optional[ModelClock] = None  # model time, with latency_ms
         if spec.get("latency_ms") and state is not None and state.sync is not None:
             # a slow collective: [[from step, ms], ...], read when a reduce is issued
-            state.sync.collective = delayed(state.sync.collective, self.latency_s)
+            # in model time: the latency model, never the wall clock of a busy
+            # box, decides what auto depth sees (the reduce itself is real)
+            self.clock = ModelClock()
+            state.sync.clock = self.clock
+            state.sync.collective = modelled(state.sync.collective, self.latency_s, self.clock)
         self.max_delay = spec.get("max_delay", 3)
         clock = StepClock(self.max_delay, rank if spec.get("skew") else 0)
         self.traffic = Traffic(self.sim, TrafficSpec(), spec["seed"], rank, clock)
@@ -146,8 +151,11 @@ class RankDriver:
         """Faults due at this step, then this step's traffic (before the event)."""
         spec, last = self.spec, self.world - 1
         self.step = step
-        if spec.get("step_ms"):
-            time.sleep(spec["step_ms"] / 1000.0)  # the forward, host idle
+        if spec.get("step_ms"):  # the forward, host idle
+            if self.clock is not None:
+                self.clock.advance(spec["step_ms"] / 1000.0)
+            else:
+                time.sleep(spec["step_ms"] / 1000.0)
         if spec.get("diverge_at") == step and self.rank == 1:
             self.sim.tree.write_back_duplicate_reclaim_digest += 1
         if spec.get("die_at") == step and self.rank == last:
