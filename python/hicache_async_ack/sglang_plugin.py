@@ -207,15 +207,21 @@ def config_error_hook(error: ValueError):
 #
 # 1. init_hicache, AFTER.
 #    Why: the per-cache decision needs the controller and groups init builds.
-#    How: builds the cache's state (eligibility, the CP x TP group check, metrics
-#    with --enable-metrics) and logs one line: pipelined or blocking, and why.
+#    How: builds the cache's state (eligibility from local facts only: no
+#    collective here, a peer without the plugin would run none; metrics with
+#    --enable-metrics, never raising) and logs one line: pipelined or blocking,
+#    and why.
 #    Stands down: never fails init; an ineligible cache (PP, buffer_only, a
 #    linker, world size 1, DP attention CP x TP) just decides blocking.
 # 2. check_hicache_events, AROUND.
 #    Why: the blocking all_reduce inside it sits right before the next forward.
-#    How: consume the reduce issued k steps ago, run upstream's own method (its
-#    pops go through writing_check / loading_check / the storage drain), then
-#    count what is ready and issue the next reduce, async.
+#    How: the first pipelined step starts with one blocking exchange through
+#    the cache's own _all_reduce (upstream's shape and groups) carrying the
+#    stamp, so ranks that disagree stop there (then, for CP x TP, the layout
+#    check). Every step: consume the reduce issued k steps ago, run upstream's
+#    own method (its pops go through writing_check / loading_check / the
+#    storage drain), then count what is ready and issue the next reduce, async,
+#    through torch.distributed.all_reduce.
 #    Stands down: calls the original when the cache decides blocking (drains the
 #    reduces in flight first, so every rank leaves with the same pops).
 # 3. _sync_hicache_ready_counts, AROUND.
