@@ -4,13 +4,12 @@ match ``test_*.py``): test_upstream_patch.py runs it with ``python -m pytest``
 in a fresh interpreter whose PYTHONPATH puts the patched tree first and whose
 SGLANG_PLUGINS excludes the plugin. Run elsewhere, the first check fails.
 
-What SGLang's own unit tests check about ``check_hicache_events`` in the PP
+What SGLang's own unit test checks about ``check_hicache_events`` in the PP
 and buffer modes (test_hiradix_pp_sync_drain.py), checked here on the patched
-class with our own caches: a PP leader makes one blocking reduce of its
+class with caches built as that test builds them (no init_hicache, so no
+HiCacheAckSync: the blocking path): a PP leader makes one blocking reduce of its
 counts, a PP follower sends placeholders and pops PP0's counts, a buffer_only
-follower reduces over the attention groups and pops its own counts. Those
-caches stay on the blocking path; caches built without init_hicache (and
-without the groups' attributes) keep working.
+follower reduces over the attention groups and pops its own counts.
 """
 
 from __future__ import annotations
@@ -25,8 +24,9 @@ import pytest
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from hicache_async_ack.ack_sync import STORAGE_QUEUES
-from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR, PLUGINS_VAR
-from hicache_async_ack.testing.collectives import FakeGroup, MinHub
+from hicache_async_ack.env import PLUGINS_VAR
+from hicache_async_ack.testing.collectives import FakeGroup
+from hicache_async_ack.testing.scenarios import attach_in_tree
 from hicache_async_ack.testing.sim_cache import build_cache
 
 MODULE = "sglang.srt.mem_cache.hicache_ack_sync"
@@ -44,97 +44,7 @@ def test_the_patched_tree_is_the_one_in_use_and_the_plugin_is_not_loaded():
     for name in ("init_hicache", "check_hicache_events", "_sync_hicache_ready_counts"):
         assert not is_hooked(getattr(UnifiedRadixCache, name)), name
     assert "site-packages" not in intree.__file__
-    assert UnifiedRadixCache._check_hicache_events_impl.__module__ == UnifiedRadixCache.__module__
-    assert callable(UnifiedRadixCache._sync_hicache_ready_counts_blocking)
-
-
-def test_settings_are_declared_in_sglangs_registry_with_their_defaults(monkeypatch):
-    from sglang.srt.environ import envs
-
-    monkeypatch.delenv(ENABLE_VAR, raising=False)
-    monkeypatch.delenv(DEPTH_VAR, raising=False)
-    assert getattr(envs, ENABLE_VAR).get() is True
-    assert getattr(envs, DEPTH_VAR).get() == "1"
-    assert intree.read_settings() == intree.Settings(enabled=True, depth=1, auto=False)
-    monkeypatch.setenv(DEPTH_VAR, "auto")
-    assert intree.read_settings() == intree.Settings(enabled=True, depth=1, auto=True)
-
-
-def test_an_invalid_switch_warns_and_keeps_the_default_like_every_envbool(monkeypatch):
-    monkeypatch.setenv(ENABLE_VAR, "maybe")
-    with pytest.warns(UserWarning, match=ENABLE_VAR):
-        assert intree.read_settings().enabled is True
-
-
-# ------------------------------------------------------------------ pipelined
-@pytest.fixture
-def hub(monkeypatch):
-    """The in-tree module's reduce through a one-rank MinHub; FakeGroup sizes
-    stand in for world sizes."""
-    hub = MinHub(world=1)
-    monkeypatch.setattr(intree, "collective_factory", lambda group: hub.collective(0))
-    monkeypatch.setattr(intree, "world_size", lambda g: g.size if isinstance(g, FakeGroup) else 1)
-    return hub
-
-
-def ready_acks(sim, kind: str, n: int) -> list:
-    return [sim.add_ack(kind, lambda: True) for _ in range(n)]
-
-
-def local_reduce(cache, log: list) -> None:
-    """Upstream's blocking _all_reduce as a world of one, recorded."""
-    cache.__dict__["_all_reduce"] = lambda tensor, op: log.append(tensor.tolist())
-
-
-def test_the_first_check_creates_the_state_and_pipelines(hub):
-    sim = build_cache(tp_group=FakeGroup(2), tp_world_size=2)
-    assert intree.state_of(sim.cache) is None  # no init_hicache, no hook
-    w = ready_acks(sim, "write", 2)
-    sim.cache.check_hicache_events()
-    state = intree.state_of(sim.cache)
-    assert state is not None and state.decide(sim.cache).pipelined
-    assert [v[:2] for v in hub.issued] == [[2, 0]]
-    assert sim.take_pops() == []  # agreed at this step, popped at the next
-    w += ready_acks(sim, "write", 1)
-    sim.cache.check_hicache_events()
-    assert sim.take_pops() == [("write", u) for u in w[:2]]
-    assert hub.issued[-1][:2] == [1, 0]
-
-
-def test_opt_out_restores_the_blocking_reduce(hub, monkeypatch):
-    monkeypatch.setenv(ENABLE_VAR, "0")
-    sim = build_cache(tp_group=FakeGroup(2), tp_world_size=2)
-    log: list = []
-    local_reduce(sim.cache, log)
-    w = ready_acks(sim, "write", 2)
-    sim.cache.check_hicache_events()
-    assert hub.issued == [] and [v[:2] for v in log] == [[2, 0]]
-    assert sim.take_pops() == [("write", u) for u in w]  # same step: blocking
-    decision = intree.state_of(sim.cache).decide(sim.cache)
-    assert not decision.pipelined and decision.reason == f"{ENABLE_VAR}=0"
-
-
-def test_a_bad_depth_stops_the_first_check(hub, monkeypatch):
-    monkeypatch.setenv(DEPTH_VAR, "9")
-    sim = build_cache(tp_group=FakeGroup(2), tp_world_size=2)
-    with pytest.raises(ValueError, match=f"{DEPTH_VAR}='9' is not a valid lag depth"):
-        sim.cache.check_hicache_events()
-
-
-def test_a_subclass_overriding_the_sync_stays_blocking(hub):
-    class Custom(UnifiedRadixCache):
-        def _sync_hicache_ready_counts(self):
-            return super()._sync_hicache_ready_counts()
-
-    sim = build_cache(tp_group=FakeGroup(2), tp_world_size=2)
-    sim.cache.__class__ = Custom
-    log: list = []
-    local_reduce(sim.cache, log)
-    ready_acks(sim, "write", 1)
-    sim.cache.check_hicache_events()
-    decision = intree.state_of(sim.cache).decide(sim.cache)
-    assert not decision.pipelined and "overridden by a subclass" in decision.reason
-    assert hub.issued == [] and len(log) == 1
+    assert UnifiedRadixCache.ack_sync is None  # caches built without init_hicache block
 
 
 # ------------------------------------------------------------- PP and buffer
@@ -218,27 +128,35 @@ def finish_counts(cache) -> tuple:
     )
 
 
-def blocking_reason(cache, kind: str) -> str:
-    """Why the cache's ack sync state keeps it blocking (it must)."""
-    decision = intree.state_of(cache).decide(cache)
-    assert not decision.pipelined
-    return decision.reason
+@pytest.fixture
+def async_reduces(monkeypatch) -> list:
+    """Every async all_reduce issued (there must be none)."""
+    issued: list = []
+    monkeypatch.setattr(intree.torch.distributed, "all_reduce", lambda *a, **k: issued.append(a))
+    return issued
+
+
+def stays_blocking(cache, kind: str) -> None:
+    """A complete cache gets no HiCacheAckSync from init_hicache (PP or
+    buffer_only); a bare one has none at all."""
+    if kind == "full":
+        attach_in_tree(cache)
+    assert cache.ack_sync is None
 
 
 @pytest.mark.parametrize("kind", ["bare", "full"])
-def test_pp_leader_reduces_its_counts_once_and_stays_blocking(hub, kind):
+def test_pp_leader_reduces_its_counts_once_and_stays_blocking(async_reduces, kind):
     cache = pp_cache(kind, 0, writes=[True, False], loads=[True, True])
     cache.check_hicache_events()
     assert reduced(cache._all_reduce) == [[1, 2, DIGEST, -DIGEST]]
     assert finish_counts(cache) == ([1], [2])
     assert cache._all_reduce_attn_groups.calls == []
-    assert hub.issued == []  # no pipelined reduce
-    reason = blocking_reason(cache, kind)
-    assert (reason == "pp_size=2") if kind == "full" else ("cache lacks" in reason)
+    assert async_reduces == []
+    stays_blocking(cache, kind)
 
 
 @pytest.mark.parametrize("kind", ["bare", "full"])
-def test_pp_follower_sends_placeholders_and_pops_the_leaders_counts(hub, kind):
+def test_pp_follower_sends_placeholders_and_pops_the_leaders_counts(async_reduces, kind):
     cache = pp_cache(kind, 1, writes=[True], loads=[True])
 
     def from_the_leader(tensor, op):  # what _pp_sync receives from PP0
@@ -250,16 +168,18 @@ def test_pp_follower_sends_placeholders_and_pops_the_leaders_counts(hub, kind):
     assert finish_counts(cache) == ([1], [1])
     acks = cache.cache_controller.ack_write_queue + cache.cache_controller.ack_load_queue
     assert all(ack.asked == 0 for ack in acks)  # placeholders: nothing was counted
-    assert hub.issued == []
-    blocking_reason(cache, kind)
+    assert async_reduces == []
+    stays_blocking(cache, kind)
 
 
 @pytest.mark.skipif(
-    "buffer_only" not in inspect.getsource(UnifiedRadixCache._sync_hicache_ready_counts_blocking),
+    "buffer_only" not in inspect.getsource(UnifiedRadixCache._sync_hicache_ready_counts),
     reason="this release reduces a buffer_only PP follower like any other PP stage",
 )
 @pytest.mark.parametrize("kind", ["bare", "full"])
-def test_buffer_only_follower_reduces_over_the_attention_groups_with_local_counts(hub, kind):
+def test_buffer_only_follower_reduces_over_the_attention_groups_with_local_counts(
+    async_reduces, kind
+):
     cache = pp_cache(
         kind,
         1,
@@ -285,7 +205,5 @@ def test_buffer_only_follower_reduces_over_the_attention_groups_with_local_count
             ),
         )
     ]
-    assert hub.issued == []
-    reason = blocking_reason(cache, kind)
-    want = "host memory mode 'buffer_only'" if kind == "full" else "cache lacks"
-    assert want in reason
+    assert async_reduces == []
+    stays_blocking(cache, kind)

@@ -1,64 +1,59 @@
-"""Composing sglang/srt/mem_cache/hicache_ack_sync.py from the plugin's sources
-(tools/intree/module.py) as they change: what it cannot follow fails naming it;
-a comment naming the package is left out. Sources are edited in copies."""
+"""The files the upstream patch adds (tools/intree/files/): SGLang's code,
+formatted at SGLang's settings, free of the plugin's vocabulary, and in step
+with the plugin's settings. Fast: nothing here runs SGLang."""
 
 from __future__ import annotations
 
+import ast
 import re
 
+import black
+import isort
 import pytest
 
-from hicache_async_ack.tools.intree import module as composer
+from hicache_async_ack import env
+from hicache_async_ack.tools.intree import edits, module
+
+ADDED = (module.MODULE_PATH, *module.TEST_PATHS)
+FORBIDDEN = re.compile(r"hicache_async_ack|hicache-async-ack|[Pp]lugin|[Uu]pstream|protocol")
 
 
-def _compose_with(monkeypatch, tmp_path, label: str, edit) -> str:
-    sources = []
-    for name, path in composer.SOURCES:
-        if name == label:
-            copy = tmp_path / name
-            copy.write_text(edit(path.read_text()))
-            path = copy
-        sources.append((name, path))
-    monkeypatch.setattr(composer, "SOURCES", tuple(sources))
-    return composer.compose()
+@pytest.mark.parametrize("rel", ADDED)
+def test_formatted_with_sglangs_black_and_isort(rel):
+    text = module.read(rel)
+    assert black.format_str(text, mode=black.Mode()) == text
+    assert isort.code(text, profile="black", known_first_party=["sglang"]) == text
+    assert max(len(line) for line in text.splitlines()) <= 88
 
 
-@pytest.mark.parametrize(
-    "label, edit, message",
-    [
-        (
-            "ack_sync.py",
-            lambda t: t.replace(
-                "import itertools\n", "import itertools\n\nfrom .metrics import X\n"
-            ),
-            "ack_sync.py:",
-        ),
-        (
-            "ack_sync.py",
-            lambda t: t.replace('"""What is kept per', '"""What the plugin keeps per'),
-            "names this package or its plugin form",
-        ),
-        (
-            "env.py",
-            lambda t: t.replace("DEPTH_MAX = 8", "DEPTH_LIMIT_ = 8"),
-            "imports DEPTH_MAX from .env",
-        ),
-    ],
-    ids=["unknown-local-import", "docstring-names-plugin", "name-gone"],
-)
-def test_the_composition_fails_naming_what_it_cannot_follow(
-    monkeypatch, tmp_path, label, edit, message
-):
-    with pytest.raises(composer.ComposeError, match=re.escape(message)):
-        _compose_with(monkeypatch, tmp_path, label, edit)
+@pytest.mark.parametrize("rel", ADDED)
+def test_written_in_sglangs_vocabulary(rel):
+    hits = [line for line in module.read(rel).splitlines() if FORBIDDEN.search(line)]
+    assert hits == []
 
 
-def test_a_comment_naming_the_package_is_left_out(monkeypatch, tmp_path):
-    note = "# wired up by hicache_async_ack.sglang_plugin"
-    text = _compose_with(
-        monkeypatch,
-        tmp_path,
-        "core.py",
-        lambda t: t.replace("class Stamp:", f"{note}\nclass Stamp:"),
-    )
-    assert note not in text and "class Stamp:" in text
+def test_the_module_reads_the_settings_the_plugin_documents():
+    text = module.compose()
+    assert f"envs.{env.ENABLE_VAR}" in text and f"envs.{env.DEPTH_VAR}" in text
+    consts = {
+        t.id: ast.literal_eval(n.value)
+        for n in ast.parse(text).body
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name) and isinstance(n.value, ast.Constant)
+    }
+    assert consts["MAX_DEPTH"] == edits.DEPTH_MAX == env.DEPTH_MAX
+    assert re.search(rf"class {module.CLASS_NAME}\b", text)
+
+
+def test_a_doc_with_hicache_rows_gets_the_settings_after_the_last():
+    doc = "| a | b | c |\n| `SGLANG_HICACHE_X` | x | `1` |\n| `SGLANG_Y` | y | `2` |\n"
+    lines = edits.edit_doc(doc).splitlines()
+    assert lines[1] == "| `SGLANG_HICACHE_X` | x | `1` |"
+    assert [line.split(" | ")[0] for line in lines[2:4]] == [
+        f"| `{env.ENABLE_VAR}`",
+        f"| `{env.DEPTH_VAR}`",
+    ]
+    assert lines[4] == "| `SGLANG_Y` | y | `2` |"
+    with pytest.raises(edits.EditError, match="already documents"):
+        edits.edit_doc("\n".join(lines) + "\n")

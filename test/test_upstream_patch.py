@@ -2,46 +2,56 @@
 
 For every SGLang release whose source is here (the installed one; the
 per-release test overlays of tools/releases.py when present) the patch generated
-from it applies with ``patch -p1`` to a fresh copy, and the patched files keep
-upstream's method bodies under their new names. On the installed release the
-patched tree then runs, with the plugin excluded by SGLANG_PLUGINS: the
-in-tree unit checks (intree_checks.py: loading, settings, PP and buffer modes)
-and the real-gloo scenarios at TP=4 (symmetric pops, nothing left, pipelined
-pops equal to blocking pops k steps earlier, a lifecycle run, ranks that
-disagree stopping loudly). A patch that no longer applies names the hunk; a
-source the generator cannot find its anchors in names the anchor.
+from it applies with ``patch -p1`` to a fresh copy, adds at most MAX_ADDED lines
+under ``sglang/srt/``, and leaves black and isort (SGLang's pinned versions and
+settings) with nothing new to say. The patched tree then runs, with the plugin
+excluded by SGLANG_PLUGINS: the tests the patch adds (SGLang's layout, SGLang's
+way), the checks SGLang's own PP unit test makes (intree_checks.py), and the
+real-gloo scenarios at TP=4 (symmetric pops, nothing left, pipelined pops equal
+to blocking pops k steps earlier, lifecycle runs, ranks that disagree stopping
+before any pop), whose pops must equal the plugin's in the same scenarios.
+A patch that no longer applies names the hunk; a source the generator cannot
+find its anchors in names the anchor.
 """
 
 from __future__ import annotations
 
 import ast
+import difflib
 import os
 import re
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
+import black
+import isort
 import pytest
 
 from hicache_async_ack.env import ALLOW_UNTESTED_VAR, DEPTH_VAR, ENABLE_VAR, PLUGINS_VAR
 from hicache_async_ack.testing.checks import assert_lagged_equal, assert_symmetric_and_complete
 from hicache_async_ack.testing.scenarios import ACK_KINDS, LOCAL_DRAIN_EVENTS
 from hicache_async_ack.tools import cli
-from hicache_async_ack.tools.intree import module as composer
+from hicache_async_ack.tools.intree import module as files
 from hicache_async_ack.tools.intree import unidiff
-from hicache_async_ack.tools.intree.edits import CACHE_PATH, ENVIRON_PATH, RENAMED
+from hicache_async_ack.tools.intree.edits import CACHE_PATH, DOC_PATH, ENVIRON_PATH
 from hicache_async_ack.tools.releases import cache_root
-from hicache_async_ack.tools.upstream_patch import generate, installed_root
+from hicache_async_ack.tools.upstream_patch import Tree, generate, installed_root
 
 from gloo_ranks import run_fresh, scenario_job
 
 REPO = Path(__file__).resolve().parents[1]
-MODULE_PATH = composer.MODULE_PATH
+MODULE_PATH = files.MODULE_PATH
 EXISTING = (CACHE_PATH, ENVIRON_PATH)
+EDITED_METHODS = ("init_hicache", "check_hicache_events")
+MAX_ADDED = 300  # lines under sglang/srt/, tests not counted (issue 18)
 WORLD = 4
 OFF = {ENABLE_VAR: "0"}
 EXCLUDED = "some_other_plugin"  # an SGLANG_PLUGINS list without us
+# Words of the plugin that SGLang's code has no use for.
+FORBIDDEN = re.compile(r"hicache_async_ack|hicache-async-ack|[Pp]lugin|[Uu]pstream|protocol")
 
 
 def _version(root: Path) -> str:
@@ -119,47 +129,69 @@ def methods(path: Path, cls: str) -> dict[str, ast.FunctionDef]:
     return {n.name: n for n in node.body if isinstance(n, ast.FunctionDef)}
 
 
-def body_without_docstring(fn: ast.FunctionDef) -> list[str]:
-    body = fn.body
-    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        body = body[1:]
-    return [ast.dump(s) for s in body]
+def added_lines(patch: str) -> dict[str, int]:
+    """Lines the patch adds, per file."""
+    out: Counter = Counter()
+    for f in unidiff.parse(patch):
+        out[f.path] += sum(len(h.new) - len(h.old) for h in f.hunks)
+    return dict(out)
+
+
+def findings(text: str) -> Counter:
+    """What SGLang's pinned black and isort (its .isort.cfg: profile black,
+    sglang first-party) would change in ``text``: the lines they remove and add."""
+    out: Counter = Counter()
+    isorted = isort.code(text, profile="black", known_first_party=["sglang"])
+    for tool, new in (("isort", isorted), ("black", black.format_str(text, mode=black.Mode()))):
+        for line in difflib.unified_diff(text.splitlines(), new.splitlines(), lineterm="", n=0):
+            if line[:1] in "+-" and line[:3] not in ("+++", "---"):
+                out[(tool, line)] += 1
+    return out
 
 
 # ------------------------------------------------------------ every release
 @pytest.mark.parametrize("root", RELEASES)
-def test_the_patch_applies_with_patch_p1_to_a_fresh_copy(root, tmp_path):
+def test_the_patch_applies_is_small_and_is_formatted_at_sglangs_settings(root, tmp_path):
     patch = generate(root)
     tree = copy_sources(root, tmp_path)
     done = patch_p1(patch, tree)
     assert done.returncode == 0, done.stdout + done.stderr
-    for rel in (MODULE_PATH, *EXISTING):
+    new = [MODULE_PATH, *files.TEST_PATHS]
+    for rel in (*new, *EXISTING):
         assert f"patching file {rel}" in done.stdout
         compile((tree / rel).read_text(), rel, "exec")
     assert "offset" not in done.stdout and "fuzz" not in done.stdout, done.stdout
-    assert (tree / MODULE_PATH).read_text() == composer.compose()
+    added = added_lines(patch)
+    under_srt = sum(n for path, n in added.items() if path.startswith("sglang/srt/"))
+    assert under_srt <= MAX_ADDED, added
+    for rel in new:
+        assert findings((tree / rel).read_text()) == Counter(), rel
+    for rel in EXISTING:  # SGLang's wheels are formatted by later versions
+        assert findings((tree / rel).read_text()) == findings((root / rel).read_text()), rel
 
 
 @pytest.mark.parametrize("root", RELEASES)
-def test_the_original_bodies_survive_renamed_and_the_methods_route_through_the_module(
-    root, tmp_path
-):
+def test_only_init_hicache_and_check_hicache_events_change(root, tmp_path):
     tree = copy_sources(root, tmp_path)
     assert patch_p1(generate(root), tree).returncode == 0
     before = methods(root / CACHE_PATH, "UnifiedRadixCache")
     after = methods(tree / CACHE_PATH, "UnifiedRadixCache")
-    assert set(after) == set(before) | set(RENAMED.values())
-    for name, impl in RENAMED.items():
-        assert body_without_docstring(after[impl]) == body_without_docstring(before[name])
-    for name in set(before) - set(RENAMED):
+    assert set(after) == set(before)
+    for name in set(before) - set(EDITED_METHODS):
         assert ast.dump(after[name]) == ast.dump(before[name]), name
+    init = after["init_hicache"].body
+    assert [ast.dump(s) for s in init[:-1]] == [ast.dump(s) for s in before["init_hicache"].body]
+    assert ast.unparse(init[-1]) == "self.ack_sync = HiCacheAckSync.create(self)"
     check = ast.unparse(after["check_hicache_events"])
-    assert "pipelined_check_hicache_events(get_ack_sync_state(self, UnifiedRadixCache)" in check
-    assert "agreed_ready_counts(state_of(self)" in ast.unparse(after["_sync_hicache_ready_counts"])
+    assert (
+        " = self._sync_hicache_ready_counts() if self.ack_sync is None "
+        "else self.ack_sync.agreed_counts()" in check
+    )
+    assert "if self.ack_sync is not None:\n        self.ack_sync.issue()" in check
 
 
 @pytest.mark.parametrize("root", RELEASES)
-def test_the_settings_are_declared_in_envs_and_nothing_else_changes(root, tmp_path):
+def test_the_settings_are_declared_in_the_radix_cache_section(root, tmp_path):
     tree = copy_sources(root, tmp_path)
     assert patch_p1(generate(root), tree).returncode == 0
 
@@ -174,7 +206,11 @@ def test_the_settings_are_declared_in_envs_and_nothing_else_changes(root, tmp_pa
         }
 
     before, after = fields(root / ENVIRON_PATH), fields(tree / ENVIRON_PATH)
-    assert after == {**before, ENABLE_VAR: "EnvBool(True)", DEPTH_VAR: "EnvStr('1')"}
+    assert after == {**before, ENABLE_VAR: "EnvBool(True)", DEPTH_VAR: "EnvInt(1)"}
+    text = (tree / ENVIRON_PATH).read_text()
+    headers = [m.start() for m in re.finditer(r"# =+\n\s*# (.*)\n\s*# =+", text)]
+    section = max(h for h in headers if h < text.index(ENABLE_VAR))
+    assert "radix" in text[section : text.index("\n", text.index("\n", section) + 1)].lower()
 
 
 # ------------------------------------------------------------ the text
@@ -185,12 +221,11 @@ def patch_text() -> str:
 
 def test_the_patch_reads_as_sglang_code(patch_text):
     added = [line[1:] for line in patch_text.splitlines() if line.startswith("+")]
-    named = [line for line in added if composer.FORBIDDEN.search(line)]
-    assert named == []
-    module = composer.compose()
+    assert [line for line in added if FORBIDDEN.search(line)] == []
+    module = files.compose()
     assert "logger = logging.getLogger(__name__)" in module
-    assert f"envs.{ENABLE_VAR}.get()" in module and f"envs.{DEPTH_VAR}.get()" in module
-    assert "os.environ" not in module and "getenv" not in module
+    assert "torch.distributed.all_reduce(" in module and "async_op=True" in module
+    assert f"envs.{ENABLE_VAR}" in module and f"envs.{DEPTH_VAR}" in module
     assert patch_text.startswith(f"diff --git a/{MODULE_PATH} b/{MODULE_PATH}\nnew file mode")
 
 
@@ -200,12 +235,12 @@ def test_the_repo_stores_none_of_sglangs_text():
     lines = source.splitlines()
     upstream = set()
     for fn in methods(installed_root() / CACHE_PATH, "UnifiedRadixCache").values():
-        if fn.name in RENAMED:
+        if fn.name in (*EDITED_METHODS, "_sync_hicache_ready_counts"):
             upstream |= {
                 s.strip() for s in lines[fn.lineno : fn.end_lineno] if len(s.strip()) >= 30
             }
     assert len(upstream) > 10  # the check has something to look for
-    ours = [*(REPO / "python/hicache_async_ack/tools/intree").glob("*.py")]
+    ours = [*(REPO / "python/hicache_async_ack/tools/intree").rglob("*.py")]
     ours += [REPO / "python/hicache_async_ack/tools/upstream_patch.py"]
     ours += [p for p in [REPO / "docs/upstream-patch.md"] if p.exists()]
     for path in ours:
@@ -223,6 +258,68 @@ def test_the_cli_writes_the_patch_to_stdout(capsys, patch_text, form):
     assert run_cli(capsys, *args) == (0, patch_text, "")
 
 
+def test_no_tests_leaves_the_tests_out(capsys, patch_text):
+    rc, out, _ = run_cli(capsys, "--no-tests")
+    assert rc == 0 and "test/registered" not in out and out in patch_text
+
+
+def _checkout(tmp_path: Path, doc: str) -> Path:
+    """A checkout of SGLang's repository: python/sglang/... and the env var doc."""
+    copy_sources(installed_root(), tmp_path / "python")
+    (tmp_path / DOC_PATH).parent.mkdir(parents=True)
+    (tmp_path / DOC_PATH).write_text(doc)
+    return tmp_path
+
+
+DOC = """# Environment Variables
+
+## Storage & Caching
+
+| Environment Variable | Description | Default Value |
+| --- | --- | --- |
+| `SGLANG_HICACHE_EXAMPLE` | An example row | `0` |
+| `SGLANG_OTHER_EXAMPLE` | Another row | `1` |
+
+## Other
+
+Text.
+"""
+
+
+def test_against_a_checkout_paths_are_the_repositorys_and_the_doc_is_updated(capsys, tmp_path):
+    checkout = _checkout(tmp_path, DOC)
+    patch = generate(Tree(checkout, checkout / "python"))
+    paths = [f.path for f in unidiff.parse(patch)]
+    assert paths == [
+        f"python/{MODULE_PATH}",
+        f"python/{CACHE_PATH}",
+        f"python/{ENVIRON_PATH}",
+        DOC_PATH,
+        *files.TEST_PATHS,
+    ]
+    assert run_cli(capsys, "--sglang-src", str(checkout))[1] == patch
+    rc, out, _ = run_cli(capsys, "--sglang-src", str(checkout), "--check", str(checkout))
+    assert rc == 0 and "(6 files)" in out
+    done = patch_p1(patch, checkout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = (checkout / DOC_PATH).read_text().splitlines()
+    at = doc.index("| `SGLANG_HICACHE_EXAMPLE` | An example row | `0` |")
+    assert doc[at + 1].startswith(f"| `{ENABLE_VAR}` |") and doc[at + 1].endswith("| `true` |")
+    assert doc[at + 2].startswith(f"| `{DEPTH_VAR}` |") and doc[at + 2].endswith("| `1` |")
+    assert doc[at + 3] == "| `SGLANG_OTHER_EXAMPLE` | Another row | `1` |"
+
+
+def test_a_doc_without_hicache_rows_gets_a_hicache_section(tmp_path):
+    checkout = _checkout(tmp_path, "# Environment Variables\n\nText.\n")
+    (new,) = [
+        f
+        for f in unidiff.parse(generate(Tree(checkout, checkout / "python")))
+        if f.path == DOC_PATH
+    ]
+    added = [line for h in new.hunks for line in h.new[len(h.old) :]]
+    assert added[:2] == ["", "## HiCache"] and added[-1].startswith(f"| `{DEPTH_VAR}` |")
+
+
 # ------------------------------------------------------------ loud failures
 def _hunk_with(patch: str, path: str, needle: str) -> unidiff.Hunk:
     (f,) = [f for f in unidiff.parse(patch) if f.path == path]
@@ -232,12 +329,12 @@ def _hunk_with(patch: str, path: str, needle: str) -> unidiff.Hunk:
 def test_check_says_the_patch_applies_to_an_unchanged_copy(capsys, tmp_path):
     copy_sources(installed_root(), tmp_path)
     rc, out, err = run_cli(capsys, "--check", str(tmp_path))
-    assert (rc, err) == (0, "") and "applies to" in out and "(3 files)" in out
+    assert (rc, err) == (0, "") and "applies to" in out and "(5 files)" in out
 
 
 def test_a_patch_that_no_longer_applies_names_the_hunk(capsys, tmp_path, patch_text):
-    """A release whose _sync_hicache_ready_counts changed next to its def line."""
-    hunk = _hunk_with(patch_text, CACHE_PATH, "def _sync_hicache_ready_counts(")
+    """A release whose check_hicache_events changed next to the sync call."""
+    hunk = _hunk_with(patch_text, CACHE_PATH, "self._sync_hicache_ready_counts()")
     copy_sources(installed_root(), tmp_path)
     target = tmp_path / CACHE_PATH
     lines = target.read_text().splitlines()
@@ -260,20 +357,21 @@ def test_a_patch_that_no_longer_applies_names_the_hunk(capsys, tmp_path, patch_t
     [
         (
             CACHE_PATH,
-            "def _sync_hicache_ready_counts(",
-            "def _sync_ready_counts(",
-            "UnifiedRadixCache._sync_hicache_ready_counts() not found",
+            "def init_hicache(",
+            "def init_hierarchical_cache(",
+            "UnifiedRadixCache.init_hicache() not found",
         ),
         (
             CACHE_PATH,
-            "def writing_check(",
-            "def writing_check_v2(",
-            "does not have what the ack sync calls: writing_check() is missing",
+            ") = self._sync_hicache_ready_counts()",
+            ") = self._sync_ready_counts()",
+            "has 0 statements '... = self._sync_hicache_ready_counts()', not one",
         ),
         (ENVIRON_PATH, "class Envs:", "class Environment:", "no top-level class Envs"),
-        (ENVIRON_PATH, "class EnvStr(", "class EnvText(", "no class EnvStr"),
+        (ENVIRON_PATH, "class EnvInt(", "class EnvInteger(", "no class EnvInt"),
+        (ENVIRON_PATH, "# Radix and sparse KV caches", "# Sparse KV caches", "no radix-cache"),
     ],
-    ids=["sync-renamed", "writing_check-renamed", "no-Envs", "no-EnvStr"],
+    ids=["init-renamed", "sync-call-gone", "no-Envs", "no-EnvInt", "no-radix-section"],
 )
 def test_a_source_without_an_anchor_fails_naming_it(capsys, tmp_path, path, old, new, message):
     copy_sources(installed_root(), tmp_path)
@@ -294,38 +392,56 @@ def test_an_already_patched_tree_is_refused(capsys, tmp_path, patch_text):
 
 # ------------------------------------------------------------ the patched tree runs
 @pytest.fixture(scope="module", params=RELEASES)
-def patched_tree(request, tmp_path_factory) -> Path:
-    """Each release's SGLang, patched with the patch generated from it."""
+def release(request, tmp_path_factory) -> tuple[Path, Path]:
+    """(each release's SGLang, that release patched with the patch generated from it)."""
     root = request.param
     tree = mirror(root, tmp_path_factory.mktemp("patched-sglang"))
     done = patch_p1(generate(root), tree)
     assert done.returncode == 0, done.stdout + done.stderr
-    return tree
+    return root, tree
 
 
-@pytest.fixture(scope="module")
-def intree_env(patched_tree) -> dict[str, str]:
-    """A fresh interpreter's environment: the patched tree first on the path,
-    the plugin excluded, no SGLANG_ settings from this process."""
+def _env(first: Path, exclude_plugin: bool) -> dict[str, str]:
+    """A fresh interpreter's environment: ``first`` first on the path, no
+    SGLANG_ settings from this process, the plugin excluded or not."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
-    path = [str(patched_tree)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env.update(PYTHONPATH=os.pathsep.join(path), **{PLUGINS_VAR: EXCLUDED})
+    path = [str(first)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    if exclude_plugin:
+        env[PLUGINS_VAR] = EXCLUDED
     return env
 
 
-def test_the_in_tree_unit_checks_pass_on_the_patched_tree(intree_env):
+@pytest.fixture(scope="module")
+def intree_env(release) -> dict[str, str]:
+    return _env(release[1], exclude_plugin=True)
+
+
+def _pytest(env: dict[str, str], cwd: Path, *args: str) -> tuple[int, int, str]:
+    """pytest in a fresh interpreter: (exit status, tests passed, output's tail)."""
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test/intree_checks.py"],
-        cwd=REPO,
-        env=intree_env,
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=cwd,
+        env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
-    tail = (done.stdout + done.stderr)[-6000:]
-    assert done.returncode == 0, tail
     passed = re.search(r"(\d+) passed", done.stdout)
-    assert passed and int(passed.group(1)) >= 10, tail
+    tail = (done.stdout + done.stderr)[-6000:]
+    return done.returncode, (int(passed.group(1)) if passed else 0), tail
+
+
+def test_the_tests_the_patch_adds_pass_on_the_patched_tree(release, intree_env):
+    tree = release[1]
+    tests = [str(tree / rel) for rel in files.TEST_PATHS]
+    rc, passed, tail = _pytest(intree_env, tree, *tests)
+    assert rc == 0 and passed >= 14, tail
+
+
+def test_sglangs_own_pp_checks_pass_on_the_patched_tree(intree_env):
+    rc, passed, tail = _pytest(intree_env, REPO, "test/intree_checks.py")
+    assert rc == 0 and passed >= 3, tail
 
 
 PROBE = """
@@ -356,37 +472,41 @@ def test_the_plugin_installed_next_to_a_patched_tree_stands_down(intree_env, unt
 
 
 LIFECYCLE = dict(max_delay=3, skew=True, storage=True, extra_pools=["mamba"], event_p=0.08)
+# The scenarios both forms run; their pops must be equal.
+SHARED = [
+    dict(name="pipelined", seed=11, steps=150, max_delay=3, skew=True),
+    dict(name="pipelined_storage", seed=12, steps=150, storage=True, extra_pools=["mamba"]),
+    dict(name="pipelined_depth2", seed=11, steps=150, max_delay=3, skew=True, env={DEPTH_VAR: "2"}),
+    dict(LIFECYCLE, name="lifecycle_depth1", seed=101, steps=600),
+    dict(LIFECYCLE, name="lifecycle_depth2", seed=102, steps=400, env={DEPTH_VAR: "2"}),
+]
 SPECS = [
-    dict(name="pipelined", seed=11, steps=200, max_delay=3, skew=True),
-    dict(name="blocking", seed=11, steps=200, max_delay=3, skew=True, env=OFF),
-    dict(name="pipelined_storage", seed=12, steps=200, storage=True, extra_pools=["mamba"]),
-    dict(name="blocking_storage", seed=12, steps=200, storage=True, extra_pools=["mamba"], env=OFF),
-    dict(name="pipelined_depth2", seed=11, steps=200, max_delay=3, skew=True, env={DEPTH_VAR: "2"}),
-    dict(LIFECYCLE, name="lifecycle_depth1", seed=101, steps=1500),
-    dict(LIFECYCLE, name="lifecycle_depth2", seed=102, steps=1000, env={DEPTH_VAR: "2"}),
-    dict(LIFECYCLE, name="lifecycle_auto", seed=103, steps=300, env={DEPTH_VAR: "auto"}),
+    *SHARED,
+    dict(name="blocking", seed=11, steps=150, max_delay=3, skew=True, env=OFF),
+    dict(name="blocking_storage", seed=12, steps=150, storage=True, extra_pools=["mamba"], env=OFF),
     dict(
         name="other_depth",
         seed=2,
-        steps=60,
+        steps=40,
         fresh_group=True,
         expect_error=True,
         rank_env={"1": {DEPTH_VAR: "2"}},
     ),
-    dict(name="control_after", seed=4, steps=60, fresh_group=True),
+    dict(name="control_after", seed=4, steps=40, fresh_group=True),
 ]
 STOCK_RANK = 3
 
 
 @pytest.fixture(scope="module")
-def gloo(intree_env):
-    """One launcher on the patched tree: the scenarios, then a rank set where
-    one rank opts out (it runs upstream's blocking reduce)."""
+def gloo(release, intree_env):
+    """The scenarios on the patched tree (one launcher: the suites, then a rank
+    set where one rank has the switch off), then the shared ones on the same
+    release through the plugin."""
     jobs = [
         scenario_job(WORLD, SPECS, timeout=900, group_timeout=30),
         scenario_job(
             WORLD,
-            [dict(name="stock_peer", seed=5, steps=60, expect_error=True)],
+            [dict(name="stock_peer", seed=5, steps=40, expect_error=True)],
             timeout=300,
             group_timeout=30,
             rank_env={STOCK_RANK: OFF},
@@ -395,10 +515,14 @@ def gloo(intree_env):
     for job in jobs:
         job.payload["in_tree"] = True
     out = run_fresh(jobs, env=intree_env)
-    for r in out:
+    (plugin,) = run_fresh(
+        [scenario_job(WORLD, SHARED, timeout=900, group_timeout=30)],
+        env=_env(release[0], exclude_plugin=False),
+    )
+    for r in [*out, plugin]:
         if isinstance(r, Exception):
             raise AssertionError(str(r))
-    return {"main": out[0], "stock": out[1]}
+    return {"main": out[0], "stock": out[1], "plugin": plugin}
 
 
 @pytest.mark.parametrize(
@@ -414,9 +538,7 @@ def gloo(intree_env):
 )
 def test_symmetric_pops_nothing_left_on_the_patched_tree(gloo, name, pipelined):
     r0 = assert_symmetric_and_complete(gloo["main"], name)
-    assert r0["pipelined"] is pipelined, r0["reason"]
-    if not pipelined:
-        assert r0["reason"] == f"{ENABLE_VAR}=0"
+    assert r0["pipelined"] is pipelined
 
 
 @pytest.mark.parametrize(
@@ -432,37 +554,53 @@ def test_pipelined_pops_what_blocking_popped_k_steps_earlier(gloo, pipelined, bl
     assert_lagged_equal(main[pipelined]["pops"], main[blocking]["pops"], k)
 
 
-@pytest.mark.parametrize("name", ["lifecycle_depth1", "lifecycle_depth2", "lifecycle_auto"])
-def test_lifecycle_on_the_patched_tree(gloo, name):
-    """Write-back flushes, resets, storage detach/attach, blocking drains at
-    random steps. Storage entries drained locally by a detach are best-effort
-    per rank (upstream's design), so in those steps only acks are compared."""
-    for per in gloo["main"]:
+def _without_local_drains(results: list[dict], name: str) -> None:
+    """Storage entries drained locally by a detach are best-effort per rank
+    (SGLang's design): in those steps only acks are compared."""
+    for per in results:
         for step, ev in zip(per[name]["pops"], per[name]["events"]):
             if ev in LOCAL_DRAIN_EVENTS:
                 step[0] = [p for p in step[0] if p[0] in ACK_KINDS]
+
+
+@pytest.mark.parametrize("name", ["lifecycle_depth1", "lifecycle_depth2"])
+def test_lifecycle_on_the_patched_tree(gloo, name):
+    """Write-back flushes, resets, storage detach/attach, blocking drains at
+    random steps."""
+    _without_local_drains(gloo["main"], name)
     r0 = assert_symmetric_and_complete(gloo["main"], name)
     assert r0["pipelined"]
     for ev in ("write_back_flush", "reset", "detach", "attach", "loading_check"):
         assert r0["counts"]["events"].get(ev, 0) > 0, (ev, r0["counts"]["events"])
 
 
+@pytest.mark.parametrize("name", [spec["name"] for spec in SHARED])
+def test_the_plugin_and_the_patched_tree_pop_the_same_entries_at_the_same_steps(gloo, name):
+    for rank, (intree, plugin) in enumerate(zip(gloo["main"], gloo["plugin"])):
+        assert "error" not in plugin[name], plugin[name].get("traceback")
+        assert plugin[name]["pipelined"] and intree[name]["pipelined"]
+        assert any(post for _, post in intree[name]["pops"]), "nothing popped"
+        for step, (a, b) in enumerate(zip(intree[name]["pops"], plugin[name]["pops"])):
+            assert a == b, f"rank {rank}, step {step}: in-tree popped {a}, the plugin {b}"
+        assert len(intree[name]["pops"]) == len(plugin[name]["pops"])
+
+
 def test_ranks_that_disagree_stop_loudly_before_any_pop(gloo):
     for rank, per in enumerate(gloo["main"]):
         r = per["other_depth"]
         err = r.get("error", "")
-        assert "HiCacheAckSyncMismatch" in err and "the lag depth differs" in err, (rank, err)
-        assert f"this rank {2 if rank == 1 else 1}," in err and DEPTH_VAR in err
+        assert "RuntimeError" in err and f"{DEPTH_VAR} differs across ranks" in err, (rank, err)
+        assert f"{2 if rank == 1 else 1} here" in err
         assert [p for pre, post in r["pops"] for p in pre + post] == []
         assert r.get("popped_in_failed_step") == []
 
 
-def test_an_opted_out_peer_trips_upstreams_check_and_stops_the_others(gloo):
+def test_a_peer_with_the_switch_off_trips_its_digest_check_and_stops_the_others(gloo):
     for rank, per in enumerate(gloo["stock"]):
         r = per["stock_peer"]
         err = r.get("error", "")
         if rank == STOCK_RANK:
             assert not r["pipelined"] and "duplicate-reclaim victims diverged" in err, err
         else:
-            assert "ran SGLang's blocking ack sync" in err and ENABLE_VAR in err, (rank, err)
+            assert "ran the blocking all_reduce" in err and ENABLE_VAR in err, (rank, err)
         assert [p for pre, post in r["pops"] for p in pre + post] == [], rank

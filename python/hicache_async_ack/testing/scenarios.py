@@ -58,8 +58,8 @@ SETTINGS_VARS = (ENABLE_VAR, DEPTH_VAR)
 # every scenario starts from them. Tests that run scenarios in-process reset it.
 process_settings: Optional[dict[str, Optional[str]]] = None
 # In-tree mode (payload "in_tree"): the SGLang on the path carries the ack sync
-# itself (hicache-async-ack upstream-patch), the plugin is not loaded, the cache's
-# own first check creates its state, and protocol_at acts on that module.
+# itself (hicache-async-ack upstream-patch), the plugin is not loaded, and the
+# cache gets its HiCacheAckSync as the patched init_hicache creates it.
 IN_TREE_MODULE = "sglang.srt.mem_cache.hicache_ack_sync"
 _in_tree = False
 
@@ -111,7 +111,8 @@ class RankDriver:
         # as init_hicache(server_args, params) would, with --enable-metrics or not
         params = SimpleNamespace(enable_metrics=bool(spec.get("metrics")))
         if _in_tree:
-            assert state_of(self.sim.cache) is None  # the first check creates it
+            assert state_of(self.sim.cache) is None  # no plugin
+            attach_in_tree(self.sim.cache)
         else:
             after_init_hicache(None, self.sim.cache, None, params)
         state = state_of(self.sim.cache)
@@ -135,6 +136,8 @@ class RankDriver:
 
     @property
     def state(self):
+        if _in_tree:
+            return InTreeState(self.sim.cache)
         state = state_of(self.sim.cache)
         assert state is not None, "the cache has no ack sync state"
         return state
@@ -225,6 +228,38 @@ class RankDriver:
             "reason": decision.reason,
             "counts": {"enqueued": self.traffic.enqueued, "events": self.event_counts},
         }
+
+
+def attach_in_tree(cache) -> None:
+    """What the patched init_hicache ends with. Its PD-decode check reads a
+    config bag that only a server publishes: not decode here."""
+    from unittest import mock
+
+    intree = importlib.import_module(IN_TREE_MODULE)
+    not_decode = SimpleNamespace(disaggregation_mode="null")
+    with mock.patch.object(intree, "get_disagg", return_value=not_decode):
+        cache.ack_sync = intree.HiCacheAckSync.create(cache)
+
+
+class InTreeState:
+    """A patched tree's ack sync (``cache.ack_sync``, None on the blocking
+    path) read as the summary reads the plugin's per-cache state."""
+
+    metrics = None
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    @property
+    def sync(self):
+        sync = self.cache.ack_sync
+        if sync is None:
+            return None
+        return SimpleNamespace(depth=sync.depth, pending=len(sync.in_flight))
+
+    def decide(self, cache):
+        pipelined = cache.ack_sync is not None
+        return SimpleNamespace(pipelined=pipelined, reason="" if pipelined else "blocking")
 
 
 def run_scenario(spec: dict, rank: int, world: int, groups: dict) -> dict:

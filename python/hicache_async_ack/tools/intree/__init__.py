@@ -1,13 +1,12 @@
-"""The upstream patch: the ack sync as SGLang's own code, generated at run time
-from the plugin's sources and the installed SGLang (``hicache-async-ack
+"""The upstream patch: the pipelined ack sync as SGLang's own code, computed
+at run time against a given SGLang source (``hicache-async-ack
 upstream-patch``; docs/upstream-patch.md).
 
-- ``glue``: the in-tree glue (settings from SGLang's ``envs``, the lazily created
-  per-cache state); read as text, never imported by the plugin
-- ``module``: composes ``sglang/srt/mem_cache/hicache_ack_sync.py`` from
-  core.py, env.py, ack_sync.py and the glue
-- ``edits``: the edits to ``unified_radix_cache.py`` and ``environ.py``, located
-  with ``ast`` in the given source
+- ``files/``: the files the patch adds, written for SGLang (its module and its
+  tests), at their paths in SGLang's repository
+- ``module``: where those files are and what they are called
+- ``edits``: the edits to ``unified_radix_cache.py``, ``environ.py`` and the
+  environment-variable reference, located with ``ast`` in the given source
 - ``unidiff``: the unified diff, and a strict applier that names the hunk that
   does not apply
 """
