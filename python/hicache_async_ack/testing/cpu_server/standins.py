@@ -142,6 +142,23 @@ def _patch_host_pool_common(module) -> None:
 def _patch_host_pool_mha(module) -> None:
     if getattr(module, "transfer_kv_direct", None) is None:
         module.transfer_kv_direct = _call_registered_direct
+    # Page-locked tensors need a CUDA driver: the storage path's staging pages
+    # (get_dummy_flat_data_page) would ask for them; ours are plain host memory.
+    for cls in list(vars(module).values()):
+        if isinstance(cls, type) and "__init__" in vars(cls):
+            if hasattr(cls, "get_dummy_flat_data_page"):
+                _unpin_after_init(cls)
+
+
+def _unpin_after_init(cls) -> None:
+    real_init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        if str(getattr(self, "device", "cpu")) == "cpu":
+            self.pin_memory = False
+
+    cls.__init__ = __init__
 
 
 def _call_registered_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):

@@ -195,7 +195,7 @@ def write_outputs(args, cfg: dict, figures: dict, lim: dict, load_at_start) -> N
         if not args.quiet:
             print(f"wrote {png}", file=sys.stderr)
     except ImportError as exc:
-        print(f"warning: no PNG ({exc}); install matplotlib", file=sys.stderr)
+        print(f"warning: no PNG ({exc}); pip install 'hicache-async-ack[bench]'", file=sys.stderr)
 
 
 def run(args) -> int:
