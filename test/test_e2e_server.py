@@ -75,12 +75,13 @@ def test_each_rank_logs_its_path(plugin_server, stock_server):
     assert "HiCache ack sync: pipelined" not in stock
 
 
-def test_greedy_outputs_and_cache_hits_identical(sequences):
-    # Requests are sent one at a time, so every ack is popped before the next
-    # arrives on both servers: same cache state, same hits, same tokens.
+def test_greedy_outputs_identical(sequences):
+    # Same weights, same requests: the same tokens, whether a prefix was
+    # computed, kept on device, or loaded back from host or storage. (Which of
+    # those happens depends on copy and prefetch timing, on either server.)
     plugin, stock = sequences["plugin"], sequences["stock"]
     assert [t for t, _, _ in plugin] == [t for t, _, _ in stock]
-    assert [c for _, c, _ in plugin] == [c for _, c, _ in stock]
+    assert len({t for t, _, _ in plugin}) > 1  # the prompts do lead to different outputs
 
 
 def test_resent_prefixes_come_back_from_host(sequences):
