@@ -42,6 +42,14 @@ ALLOW_UNTESTED_DEFAULT = False
 PREFETCH_VOTES_VAR = "SGLANG_ENABLE_HICACHE_ASYNC_PREFETCH_VOTES"
 PREFETCH_VOTES_DEFAULT = True
 
+# SGLANG_ENABLE_HICACHE_ASYNC_DECODE_OFFLOAD_SYNC: with PD decode KV offload
+# (--disaggregation-decode-enable-offload-kvcache), pipeline the per-step MIN
+# all_reduce of DecodeKVCacheOffloadManager.check_offload_progress (offloads and
+# backups popped one step late). Default on; a false spelling keeps SGLang's
+# blocking reduce. Only read while the plugin is on; set it identically everywhere.
+OFFLOAD_SYNC_VAR = "SGLANG_ENABLE_HICACHE_ASYNC_DECODE_OFFLOAD_SYNC"
+OFFLOAD_SYNC_DEFAULT = True
+
 # SGLANG_PLUGINS: SGLang's own comma-separated whitelist of general plugins. Read
 # here only to report (doctor) whether our entry point would be skipped.
 PLUGINS_VAR = "SGLANG_PLUGINS"
@@ -109,6 +117,11 @@ def allow_untested(environ: Optional[Environ] = None) -> bool:
 def prefetch_votes_enabled(environ: Optional[Environ] = None) -> bool:
     env = os.environ if environ is None else environ
     return parse_bool(PREFETCH_VOTES_VAR, env.get(PREFETCH_VOTES_VAR), PREFETCH_VOTES_DEFAULT)
+
+
+def offload_sync_enabled(environ: Optional[Environ] = None) -> bool:
+    env = os.environ if environ is None else environ
+    return parse_bool(OFFLOAD_SYNC_VAR, env.get(OFFLOAD_SYNC_VAR), OFFLOAD_SYNC_DEFAULT)
 
 
 def plugin_whitelisted(environ: Optional[Environ] = None) -> bool:

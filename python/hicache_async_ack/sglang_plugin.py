@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from . import __version__, prefetch_sync
+from . import __version__, offload_sync, prefetch_sync
 from .ack_sync import (
     CacheState,
     agreed_ready_counts,
@@ -26,6 +26,7 @@ from .env import (
     ENABLE_VAR,
     PLUGINS_VAR,
     allow_untested,
+    offload_sync_enabled,
     prefetch_votes_enabled,
     read_settings,
 )
@@ -185,6 +186,30 @@ def around_can_terminate_prefetch(original, cache, operation, *args, **kwargs):
     return prefetch_sync.verdict(state, cache, original, operation, *args, **kwargs)
 
 
+# ------------------------------------------------------- PD decode offload progress
+@_hook
+def around_check_offload_progress(original, manager, *args, **kwargs):
+    """AROUND DecodeKVCacheOffloadManager.check_offload_progress: pipelined."""
+    state = offload_sync.state_of(manager)
+    if state is None:  # the setting is read at the manager's first step
+        state = offload_sync.attach_state(manager, offload_sync_enabled(), matched_release())
+    return offload_sync.check_offload_progress(state, manager, original, *args, **kwargs)
+
+
+@_hook
+def around_drain_before_retraction(original, manager, *args, **kwargs):
+    """AROUND DecodeKVCacheOffloadManager.drain_before_retraction: upstream's
+    blocking check inside it (everything popped before a retraction)."""
+    state = offload_sync.state_of(manager)
+    return offload_sync.drain_before_retraction(state, manager, original, *args, **kwargs)
+
+
+OFFLOAD_HOOKS: tuple[tuple[str, str, Callable], ...] = (
+    ("check_offload_progress", "AROUND", around_check_offload_progress),
+    ("drain_before_retraction", "AROUND", around_drain_before_retraction),
+)
+
+
 def config_error_hook(error: ValueError):
     """A BEFORE init_hicache hook that raises ``error``: load_plugins() swallows
     what register() raises, so a bad setting stops the server here instead."""
@@ -255,6 +280,24 @@ def config_error_hook(error: ValueError):
 #    How: inside a pipelined pass, returns the group's verdict on this operation
 #    (by identity; False until voted on), no collective.
 #    Stands down: calls the original outside a pipelined pass or policy.
+#
+# PD decode offload progress (offload_sync.py; upstream checked 0.5.20-0.5.23,
+# registered on 0.5.21-0.5.23, whose four methods below are identical; 0.5.20
+# has no drain_before_retraction). Target: sglang.srt.disaggregation.
+# decode_kvcache_offload_manager.DecodeKVCacheOffloadManager.
+# 7. check_offload_progress, AROUND.
+#    Why: a blocking MIN all_reduce of the two queue sizes every decode step.
+#    How: at the first call, one blocking agreement in upstream's own layout
+#    (a stock peer or one with the setting off is named); then consume the
+#    reduce issued the step before, pop through upstream's _check_offload_progress
+#    / _check_backup_progress by identity, count every queued entry, issue async.
+#    Stands down: world size 1, missing queues, the setting off: upstream's
+#    method (after draining what is in flight), reason logged.
+# 8. drain_before_retraction, AROUND.
+#    Why: a retraction must find every offload popped, as upstream leaves it.
+#    How: its check_offload_progress runs upstream's blocking path (after
+#    popping the reduce in flight); no log line.
+#    Stands down: never needed; it only marks the call.
 HOOKS: tuple[tuple[str, str, Callable], ...] = (
     ("init_hicache", "AFTER", after_init_hicache),
     ("check_hicache_events", "AROUND", around_check_hicache_events),
@@ -273,6 +316,7 @@ def register() -> None:
         settings = read_settings()
         untested_ok = allow_untested()
         prefetch_votes_enabled()  # validated here; read per cache at init
+        offload_sync_enabled()  # validated here; read at the manager's first step
     except ValueError as error:
         # load_plugins() swallows exceptions from plugins; raise from a hook at
         # HiCache init instead so the server refuses to start with a bad value.
@@ -295,6 +339,10 @@ def register() -> None:
         return
     for attr, kind, hook in HOOKS:
         HookRegistry.register(f"{CACHE_CLASS}.{attr}", hook, getattr(HookType, kind))
+    if matched_release() in offload_sync.VERIFIED_RELEASES:  # 0.5.20 lacks a target
+        for attr, kind, hook in OFFLOAD_HOOKS:
+            target = f"{offload_sync.MANAGER_CLASS}.{attr}"
+            HookRegistry.register(target, hook, getattr(HookType, kind))
     logger.debug("hicache-async-ack: registered %d hooks on %s", len(HOOKS), CACHE_CLASS)
 
 

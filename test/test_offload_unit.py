@@ -1,0 +1,111 @@
+"""PD decode offload progress on the real DecodeKVCacheOffloadManager (one process):
+SGLang's own check_offload_progress / pop methods, the reduce through a MinHub."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed
+
+from hicache_async_ack import offload_sync
+from hicache_async_ack.core import HiCacheAckSyncMismatch
+from hicache_async_ack.env import OFFLOAD_SYNC_VAR
+from hicache_async_ack.testing.collectives import FakeGroup
+from hicache_async_ack.testing.offload_sim import build_manager
+
+
+@pytest.fixture
+def agreement(monkeypatch):
+    """The one-time agreement as a world of one, plus an optional peer row."""
+    box = {"peer": None, "calls": 0}
+
+    def reduce(group, values):
+        box["calls"] += 1
+        rows = [values] + ([box["peer"]] if box["peer"] is not None else [])
+        return [min(col) for col in zip(*rows)]
+
+    monkeypatch.setattr(offload_sync, "agreement_reduce", reduce)
+    return box
+
+
+@pytest.fixture
+def make(plugin, hub, agreement, monkeypatch):
+    def build(env=None):
+        for k, v in (env or {}).items():
+            monkeypatch.setenv(k, v)
+        return build_manager(FakeGroup(2), 2)
+
+    # upstream's own blocking reduce (stand-down paths) as a world of one
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda *a, **k: None)
+    return build
+
+
+def test_pops_one_step_late_by_identity(make, hub, agreement):
+    om = make()
+    m = om.manager
+    a = [om.add_offload() for _ in range(2)]
+    b = om.add_backup()
+    m.check_offload_progress()  # agreement, then the first reduce: no pops
+    assert agreement["calls"] == 1 and om.take_pops() == []
+    assert hub.issued[-1][:2] == [2, 1]
+    c = om.add_offload()
+    m.check_offload_progress()
+    assert om.take_pops() == [("offload", a[0]), ("offload", a[1]), ("ack_backup_queue", b)]
+    assert hub.issued[-1][:2] == [1, 0]  # counted after the pops
+    m.check_offload_progress()
+    assert om.take_pops() == [("offload", c)]
+    assert agreement["calls"] == 1 and not m.ongoing_offload and not m.ongoing_backup
+
+
+def test_a_peer_with_fewer_entries_holds_the_rest_back(make, hub):
+    om = make()
+    a = [om.add_offload() for _ in range(3)]
+    hub.peer = lambda v: [1, 0, *v[2:]]
+    om.manager.check_offload_progress()
+    om.manager.check_offload_progress()
+    assert om.take_pops() == [("offload", a[0])]
+    assert len(om.cc.ack_write_queue) == 2
+
+
+def test_drain_before_retraction_pops_everything_now(make, hub):
+    om = make()
+    m = om.manager
+    a = [om.add_offload() for _ in range(2)]
+    m.check_offload_progress()  # reduce over a in flight
+    late = om.add_offload()
+    m.drain_before_retraction()  # must not refuse: nothing may be left behind
+    assert om.take_pops() == [("offload", u) for u in (*a, late)]
+    assert not m.ongoing_offload and not m.offload_inflight
+    m.check_offload_progress()  # back to the pipelined path, nothing to pop
+    assert om.take_pops() == []
+
+
+def test_a_stock_peer_is_named_at_the_first_step(make, agreement):
+    agreement["peer"] = [3, 0]  # a stock rank's two queue sizes
+    om = make()
+    om.add_offload()
+    with pytest.raises(HiCacheAckSyncMismatch, match="a peer does not"):
+        om.manager.check_offload_progress()
+    assert om.take_pops() == []
+
+
+def test_a_peer_with_the_setting_off_is_named(make, agreement):
+    off = offload_sync.CODE
+    agreement["peer"] = [off, -off]
+    om = make()
+    with pytest.raises(HiCacheAckSyncMismatch, match=f"{OFFLOAD_SYNC_VAR} differs"):
+        om.manager.check_offload_progress()
+
+
+def test_setting_off_keeps_upstreams_reduce(make, hub, agreement):
+    om = make(env={OFFLOAD_SYNC_VAR: "0"})
+    a = om.add_offload()
+    om.manager.check_offload_progress()
+    assert om.take_pops() == [("offload", a)]  # upstream pops in the same step
+    assert hub.issued == [] and agreement["calls"] == 1
+
+
+def test_stands_down_on_an_unverified_release_and_at_world_size_one():
+    om = build_manager(FakeGroup(2), 2)
+    assert "verified on 0.5.21" in offload_sync.static_decision(om.manager, "0.5.20").reason
+    one = build_manager(None, 1)
+    assert "world size 1" in offload_sync.static_decision(one.manager, "0.5.23").reason
