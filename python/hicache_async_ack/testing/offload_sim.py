@@ -39,7 +39,7 @@ class _HostPool:
 @dataclass
 class OffloadSim:
     manager: Any
-    cc: SimController
+    cc: Any  # a SimController whose ack_backup_queue is a RecordingQueue
 
     def add_offload(self, done: Callable[[], bool] = lambda: True, uid: int = 0) -> int:
         """A device-to-host copy queued by offload_kv_cache; returns its uid."""
@@ -70,7 +70,7 @@ def build_manager(tp_group=None, tp_world_size: int = 1) -> OffloadSim:
         DecodeKVCacheOffloadManager,
     )
 
-    cc = SimController()
+    cc: Any = SimController()
     cc.ack_backup_queue = RecordingQueue("ack_backup_queue", cc.pops)
     m = object.__new__(DecodeKVCacheOffloadManager)
     m.__dict__.update(
