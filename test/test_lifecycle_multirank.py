@@ -27,8 +27,9 @@ RUNS = [
     ("lifecycle_auto", 1500, {DEPTH_VAR: "auto"}),
     ("lifecycle_blocking", 600, {ENABLE_VAR: "0"}),
 ]
-# auto depth under a reduce latency that changes over time: [from step, ms]
-EXTRA = {"lifecycle_auto": dict(latency_ms=[[0, 0], [400, 3], [800, 0.5], [1100, 0]])}
+# auto depth under a reduce latency that changes over time: [from step, ms], in
+# model time (1 ms steps): the latency model, not the box's load, moves the depth
+EXTRA = {"lifecycle_auto": dict(latency_ms=[[0, 0], [400, 3], [800, 0.5], [1100, 0]], step_ms=1)}
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,10 @@ def test_lifecycle_symmetric_nothing_lost_no_hang(results, name):
 def test_auto_depth_moved_under_latency_on_every_rank_at_once(results):
     depths = [r["lifecycle_auto"]["depths"] for r in results]
     assert all(d == depths[0] for d in depths)
-    assert max(depths[0][400:800]) > depths[0][0] == 1
+    d = depths[0]
+    assert d[:401] == [1] * 401
+    assert max(d[400:800]) == 3  # ceil(3 ms / 1 ms steps), no overshoot
+    assert d[-1] == 1  # 0.5 ms, then 0: back down
 
 
 def test_enough_real_pipelined_steps(results):
@@ -103,5 +107,8 @@ def test_stalled_rank_times_out_on_every_survivor():
     results = run_scenarios(WORLD, [spec], timeout=180, group_timeout=5, allow_exit=(WORLD - 1,))
     for rank in range(WORLD - 1):
         r = results[rank]["stall"]
-        assert "HiCache ack sync" in r.get("error", ""), (rank, r.get("error"))
-        assert r["seconds"] < 14
+        err = r.get("error", "")
+        assert "HiCache ack sync" in err, (rank, err)
+        # the group timeout fired (not the stalled rank's exit 15 s later): said
+        # by gloo's error, not by a wall-clock bound a busy box could break
+        assert "Timed out" in err, (rank, err)

@@ -12,7 +12,6 @@ the same sequence on every rank; at the end nothing is left queued.
 from __future__ import annotations
 
 import threading
-import time
 from collections import defaultdict
 
 import pytest
@@ -23,6 +22,7 @@ from hicache_async_ack import ack_sync, core
 from hicache_async_ack.env import DEPTH_VAR
 from hicache_async_ack.testing import scenarios
 from hicache_async_ack.testing.collectives import MinHub
+from hicache_async_ack.testing.model_time import ModelClock, modelled
 from hicache_async_ack.testing.scenarios import (
     ACK_KINDS,
     COLLECTIVE_EVENTS,
@@ -73,16 +73,25 @@ def simulate(
     )
     hub = MinHub(world)
     drivers = [RankDriver(spec, r, world, {"tp": hub.group(r)}) for r in range(world)]
+    lat_steps = [0]  # the reduce latency now, in steps
+    clocks = []
     for d in drivers:
         assert d.state.sync is not None, d.state.static
         d.sim.cache.__dict__["_all_reduce"] = hub.blocking(d.rank)
+        if latency:  # model time per rank: what auto depth sees is the model's
+            clock = ModelClock()
+            d.state.sync.clock = clock
+            d.state.sync.collective = modelled(
+                d.state.sync.collective, lambda: lat_steps[0] * hub.step_s, clock
+            )
+            clocks.append(clock)
     stats: dict = {"steps": 0, "popped": 0, "events": defaultdict(int), "depths": []}
     for step in range(drivers[0].total_steps):
         ev = None
         hub.now = step
-        hub.latency_steps = ([0] + [n for start, n in latency if start <= step])[-1]
-        if latency:
-            time.sleep(hub.step_s)  # a step takes time: waits are measured in steps
+        lat_steps[0] = ([0] + [n for start, n in latency if start <= step])[-1]
+        for clock in clocks:
+            clock.advance(hub.step_s)  # a step takes time: waits are measured in steps
         try:
             for d in drivers:
                 d.step_traffic(step)
