@@ -109,3 +109,33 @@ def test_stands_down_on_an_unverified_release_and_at_world_size_one():
     assert "verified on 0.5.21" in offload_sync.static_decision(om.manager, "0.5.20").reason
     one = build_manager(None, 1)
     assert "world size 1" in offload_sync.static_decision(one.manager, "0.5.23").reason
+
+
+def test_the_live_methods_are_the_verified_ones_under_our_hooks(plugin):
+    from sglang.srt.disaggregation.decode_kvcache_offload_manager import (
+        DecodeKVCacheOffloadManager as M,
+    )
+
+    assert plugin.is_hooked(M.check_offload_progress)  # the fingerprint reads through it
+    assert offload_sync.changed_methods() == []
+
+
+def test_metrics_count_what_the_sync_does():
+    from prometheus_client import REGISTRY
+
+    from hicache_async_ack.metrics import OffloadSyncMetrics, PrefetchVoteMetrics
+
+    m = OffloadSyncMetrics({"tp_rank": "7"})
+    m.on_path(True)
+    m.on_step(0.001, {"ack_write_queue": 3, "ack_backup_queue": 0})
+    get = REGISTRY.get_sample_value
+    assert get("sglang:hicache_decode_offload_sync_pipelined", {"tp_rank": "7"}) == 1
+    popped = "sglang:hicache_decode_offload_sync_popped_entries_total"
+    assert get(popped, {"tp_rank": "7", "queue": "offload"}) == 3
+    assert get(popped, {"tp_rank": "7", "queue": "backup"}) is None
+    v = PrefetchVoteMetrics({"cache_type": "T", "tp_rank": "7"})
+    v.on_pass(0.0, 0.0, 5)
+    v.on_stop()
+    labels = {"cache_type": "T", "tp_rank": "7"}
+    assert get("sglang:hicache_prefetch_votes_operations_total", labels) == 5
+    assert get("sglang:hicache_prefetch_votes_stopped_total", labels) == 1

@@ -316,3 +316,53 @@ class PrefetchVoteMetrics:
 
     def on_failure(self, reason: str) -> None:
         self._failures.labels(**self.labels, reason=reason).inc()
+
+
+# ------------------------------------------------------ PD decode offload sync
+_offload_families: Optional[dict[str, Any]] = None
+
+
+class OffloadSyncMetrics:
+    """The decode offload sync's series (created when SGLang's metrics are on)."""
+
+    def __init__(self, labels: Mapping[str, Any]):
+        global _offload_families
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.labels = {k: str(v) for k, v in labels.items()}
+        names = list(self.labels)
+        if _offload_families is None:
+            _offload_families = {
+                "pipelined": Gauge(
+                    "sglang:hicache_decode_offload_sync_pipelined",
+                    "1 while PD decode offload progress is pipelined, 0 on SGLang's "
+                    "blocking reduce.",
+                    labelnames=names,
+                    multiprocess_mode="mostrecent",
+                ),
+                "wait": Histogram(
+                    "sglang:hicache_decode_offload_sync_wait_seconds",
+                    "Time a decode step waited on the previous step's offload reduce.",
+                    labelnames=names,
+                    buckets=WAIT_BUCKETS,
+                ),
+                "popped": Counter(
+                    "sglang:hicache_decode_offload_sync_popped_entries",
+                    "Offload acks and storage backups popped on the group's agreement.",
+                    labelnames=[*names, "queue"],
+                ),
+            }
+        fam = _offload_families
+        self.pipelined = fam["pipelined"].labels(**self.labels)
+        self.wait = fam["wait"].labels(**self.labels)
+        self._popped = fam["popped"]
+
+    def on_path(self, pipelined: bool) -> None:
+        self.pipelined.set(1 if pipelined else 0)
+
+    def on_step(self, wait_s: float, pops: Mapping[Hashable, int]) -> None:
+        self.wait.observe(wait_s)
+        for name, n in pops.items():
+            if n:
+                queue = "offload" if name == "ack_write_queue" else "backup"
+                self._popped.labels(**self.labels, queue=queue).inc(n)

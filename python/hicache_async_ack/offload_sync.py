@@ -22,6 +22,8 @@ learns whether a peer is stock or has the setting off, and stops naming it.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 from . import ack_sync
@@ -37,6 +39,15 @@ MANAGER_CLASS = f"{MANAGER_MODULE}.DecodeKVCacheOffloadManager"
 # _check_backup_progress / drain_before_retraction were read for this (the four
 # are identical from 0.5.21 to 0.5.23; 0.5.20 has no drain_before_retraction).
 VERIFIED_RELEASES = ("0.5.21", "0.5.22", "0.5.23")
+# Their fingerprints there (hicache_async_ack.fingerprint, BODY scope), checked
+# on the live methods when a manager is first seen: a later release that changed
+# one of them stays on upstream's path, naming it.
+VERIFIED_FINGERPRINTS = {
+    "check_offload_progress": "7f009a5799255553",
+    "_check_offload_progress": "835a5e1f74e1411f",
+    "_check_backup_progress": "29898ef013bdee2b",
+    "drain_before_retraction": "999b3eaf0cc17589",
+}
 QUEUES = ("ack_write_queue", "ack_backup_queue")
 CODE = 1 << 30  # above any queue size a stock rank sends in the agreement
 _STATE_ATTR = "_hicache_offload_sync_state"
@@ -73,7 +84,7 @@ class OffloadSyncState:
             )
         self.agreed = False
         self.draining = False  # inside drain_before_retraction: upstream's path
-        self.metrics: Any = None
+        self.metrics: Any = metrics_for(manager) if self.static.pipelined else None
         self._announced: Optional[tuple] = None
 
     def decide(self, manager) -> Decision:
@@ -115,6 +126,8 @@ class OffloadSyncState:
         if key == self._announced:
             return
         self._announced = key
+        if self.metrics is not None:
+            self.metrics.on_path(decision.pipelined)
         if decision.pipelined:
             logger.info(
                 "HiCache decode offload sync: pipelined over the %s (world size %d, depth 1)",
@@ -128,12 +141,43 @@ class OffloadSyncState:
             )
 
 
+def changed_methods() -> list[str]:
+    """The manager's methods whose live fingerprint differs from the verified one."""
+    from .upstream import BODY, Target, probe_live
+
+    out = []
+    for name, fp in VERIFIED_FINGERPRINTS.items():
+        probe = probe_live(
+            Target(MANAGER_MODULE, f"DecodeKVCacheOffloadManager.{name}", None, BODY, "")
+        )
+        if probe.fingerprint != fp:
+            out.append(name)
+    return out
+
+
+def metrics_for(manager):
+    """With --enable-metrics SGLang sets PROMETHEUS_MULTIPROC_DIR before the
+    schedulers start; the manager has no metrics flag of its own."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return None
+    import torch.distributed as dist
+
+    from .metrics import OffloadSyncMetrics
+
+    return OffloadSyncMetrics({"tp_rank": dist.get_rank(group=manager.tp_group)})
+
+
 def static_decision(manager, release: Optional[str]) -> Decision:
+    verified = ", ".join(VERIFIED_RELEASES)
     if release not in VERIFIED_RELEASES:
         seen = release or "an untested release"
-        verified = ", ".join(VERIFIED_RELEASES)
         return Decision(
             False, f"SGLang's decode offload path here is that of {seen}; verified on {verified}"
+        )
+    changed = changed_methods()
+    if changed:
+        return Decision(
+            False, f"DecodeKVCacheOffloadManager.{', '.join(changed)} differ from {verified}"
         )
     cc = getattr(manager, "cache_controller", None)
     missing = [q for q in QUEUES if not hasattr(cc, q)]
@@ -182,8 +226,11 @@ def check_offload_progress(state: OffloadSyncState, manager, original, *args, **
         return original(manager, *args, **kwargs)
     assert sync is not None
     head = _head(manager)
+    t0 = time.perf_counter()
     due = sync.consume_due(head)
     if due is not None:
+        if state.metrics is not None:
+            state.metrics.on_step(time.perf_counter() - t0, due.pops)
         _pop(manager, due.pops)
     cc = manager.cache_controller
     ready: dict[Hashable, Sequence[object]] = {

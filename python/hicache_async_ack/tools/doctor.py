@@ -25,6 +25,8 @@ from ..env import (
     ENABLE_DEFAULT,
     ENABLE_VAR,
     ENTRY_POINT_NAME,
+    OFFLOAD_SYNC_DEFAULT,
+    OFFLOAD_SYNC_VAR,
     PLUGINS_VAR,
     PREFETCH_VOTES_DEFAULT,
     PREFETCH_VOTES_VAR,
@@ -159,6 +161,28 @@ def _add_prefetch_votes(rep: Report) -> None:
     rep.add(PREFETCH_VOTES_VAR, f"{shown} -> on: prefetch termination votes {where}")
 
 
+def _add_offload_sync(rep: Report) -> None:
+    """The PD decode offload sync: its setting and whether it is hooked here."""
+    raw = os.environ.get(OFFLOAD_SYNC_VAR)
+    shown = "unset" if raw is None else repr(raw)
+    try:
+        on = parse_bool(OFFLOAD_SYNC_VAR, raw, OFFLOAD_SYNC_DEFAULT)
+    except ValueError as exc:
+        rep.add(OFFLOAD_SYNC_VAR, f"{shown} -> INVALID: {exc}")
+        rep.block(f"{OFFLOAD_SYNC_VAR} is invalid: the server would not start")
+        return
+    from ..offload_sync import VERIFIED_RELEASES
+
+    release = check_installed().release
+    where = (
+        "pipelined with --disaggregation-decode-enable-offload-kvcache (TP > 1)"
+        if release in VERIFIED_RELEASES
+        else f"not hooked on this SGLang ({release or 'untested'}; verified on "
+        f"{', '.join(VERIFIED_RELEASES)})"
+    )
+    rep.add(OFFLOAD_SYNC_VAR, f"{shown} -> {'on: decode offload sync ' + where if on else 'off'}")
+
+
 def _add_upstream(rep: Report) -> None:
     """The installed SGLang against the tested releases, fingerprint by fingerprint."""
     try:
@@ -239,6 +263,7 @@ def diagnose(tp: int, step_ms: float, rounds: int) -> Report:
         rep.block(f"{PLUGINS_VAR}={raw_plugins!r} does not list {ENTRY_POINT_NAME}")
     _add_settings(rep)
     _add_prefetch_votes(rep)
+    _add_offload_sync(rep)
 
     if rounds > 0:
         try:
