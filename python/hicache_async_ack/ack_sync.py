@@ -369,8 +369,8 @@ class CacheState:
             return
         self._announced = key
         if self.metrics is not None:
-            depth = self.sync.depth if self.sync else 0
-            self.metrics.on_path(decision.pipelined, depth, decision.world_size)
+            now = self.sync.depth if self.sync else 0
+            self.metrics.on_path(decision.pipelined, now, decision.world_size)
         tag = f"; {self.tag}" if self.tag else ""
         depth = f"auto from {self.settings.depth}" if self.settings.auto else self.settings.depth
         line = (
