@@ -154,8 +154,9 @@ WAIT_FLOOR_S = 200e-6  # shorter waits are noise (the collective's own cost), no
 
 def observation(waited_s: float, next_pending: bool, step_s: float) -> int:
     """One rank's observation at a consume, for the group's MAX: how long it
-    waited on the due reduce, in steps of its own (``step_s``: the time between
-    its consumes) rounded up, 0 for a wait under WAIT_FLOOR_S; above one bit:
+    waited on the due reduce, in steps of its own (``step_s``: from the end of
+    its previous consume to this one, so the step's work, not its waits)
+    rounded up, 0 for a wait under WAIT_FLOOR_S; above one bit:
     whether the reduce after it was still in flight (so one step less depth
     would have waited). Any wait outranks every 'still in flight'."""
     if waited_s < WAIT_FLOOR_S:
