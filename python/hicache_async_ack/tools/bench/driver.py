@@ -18,7 +18,7 @@ from ... import __version__
 from ...env import DEPTH_AUTO, DEPTH_DEFAULT, DEPTH_MAX, DEPTH_VAR, PLUGINS_VAR
 from ..options import ToolError, int_in, nonneg_float, subcommand
 from ..ranks import SGLANG_PRELOAD, Job, run_ranks
-from . import plot, prefetch, summary
+from . import offload, plot, prefetch, summary
 from .workload import BLOCKING_PLUGINS, COPY_MS, KINDS, LOCAL_POPS, ArmSpec, Schedule
 
 REDUCE_GROUPS = ("shared", "dedicated")
@@ -201,6 +201,8 @@ def write_outputs(args, cfg: dict, figures: dict, lim: dict, load_at_start) -> N
 def run(args) -> int:
     if prefetch.wanted(args):  # the storage-prefetch arms instead
         return prefetch.run(args)
+    if args.decode_offload:  # the PD decode offload arms instead
+        return offload.run(args)
     cfg = config_of(args)
     load_at_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     preload(args.quiet)
@@ -371,6 +373,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     arg("--timeout", type=nonneg_float("--timeout", "seconds"), default=0.0)
     arg("--quiet", action="store_true")
     prefetch.add_arguments(p)
+    offload.add_arguments(p)
     p.add_argument("--crash-rank-at", type=parse_crash, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
     return p
