@@ -236,3 +236,14 @@ def test_window_covers_every_operation_when_there_are_more_than_slots():
         assert len(w) == votes.VOTE_SLOTS == len(set(w))
         seen.update(w)
     assert seen == set(range(n))
+
+
+def test_attention_cp_x_tp_stands_down(make_cache, plugin):
+    from hicache_async_ack.testing.collectives import FakeGroup
+
+    sim = make_cache(
+        tp=4, storage=True, attn_cp_group=FakeGroup(2, "cp"), attn_tp_group=FakeGroup(2, "atp")
+    )
+    add_prefetch(sim)
+    state = plugin.attach_prefetch(sim.cache)
+    assert not state.static.pipelined and "attention CP x TP" in state.static.reason

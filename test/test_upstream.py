@@ -283,7 +283,9 @@ def test_version_range(version, inside):
 # ---------------------------------------------------- register() acts on it
 def test_tested_release_registers_and_logs_the_match(registered, caplog):
     hooks = registered()
-    assert len(hooks) == len(sglang_plugin.HOOKS)
+    # the decode offload hooks come on the releases whose offload path was verified
+    offload = sglang_plugin.matched_release() in sglang_plugin.offload_sync.VERIFIED_RELEASES
+    assert len(hooks) == len(sglang_plugin.HOOKS) + offload * len(sglang_plugin.OFFLOAD_HOOKS)
     installed = upstream.installed_version()
     assert f"SGLang {installed} matches tested release {installed}" in caplog.text
 

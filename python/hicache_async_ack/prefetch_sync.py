@@ -86,6 +86,10 @@ class PrefetchVoteState:
         if blocker is None and not hasattr(cache, self.predicate_name):
             blocker = f"this SGLang's cache lacks {self.predicate_name}"
         self.static = Decision(False, blocker) if blocker else ack_sync.static_decision(cache)
+        if getattr(self.static, "span", None) is not None:
+            # One MIN over the TP group equals upstream's CP-then-attn-TP pair only
+            # where the ack sync's first step checked the span; not tied in here.
+            self.static = Decision(False, f"{self.static.reason}: attention CP x TP")
         self.votes: Optional[PipelinedVotes] = None
         if self.static.pipelined:
             self.votes = PipelinedVotes(
