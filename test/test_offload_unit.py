@@ -14,6 +14,16 @@ from hicache_async_ack.testing.offload_sim import build_manager
 
 
 @pytest.fixture
+def this_release(plugin, monkeypatch):
+    """The release the installed SGLang matches, as register() saw it (tests of the
+    version guard call register() with other verdicts in the same process)."""
+    from hicache_async_ack.upstream import check_installed
+
+    monkeypatch.setattr(plugin, "_release", check_installed().release)
+    monkeypatch.setattr(plugin, "_release_known", True)
+
+
+@pytest.fixture
 def agreement(monkeypatch):
     """The one-time agreement as a world of one, plus an optional peer row."""
     box = {"peer": None, "calls": 0}
@@ -28,7 +38,7 @@ def agreement(monkeypatch):
 
 
 @pytest.fixture
-def make(plugin, hub, agreement, monkeypatch):
+def make(plugin, hub, agreement, monkeypatch, this_release):
     def build(env=None):
         for k, v in (env or {}).items():
             monkeypatch.setenv(k, v)

@@ -19,12 +19,22 @@ NO_ACK_SYNC = {ENABLE_VAR: "0"}  # keep the ack reduce out of these hubs (hooks 
 
 
 @pytest.fixture
+def this_release(plugin, monkeypatch):
+    """The release the installed SGLang matches, as register() saw it (tests of the
+    version guard call register() with other verdicts in the same process)."""
+    from hicache_async_ack.upstream import check_installed
+
+    monkeypatch.setattr(plugin, "_release", check_installed().release)
+    monkeypatch.setattr(plugin, "_release_known", True)
+
+
+@pytest.fixture
 def vote_hub(monkeypatch):
     return MinHub(world=1)
 
 
 @pytest.fixture
-def make_prefetch(make_cache, plugin, vote_hub, monkeypatch):
+def make_prefetch(make_cache, plugin, vote_hub, monkeypatch, this_release):
     """A cache with storage and the prefetch path; its votes go to ``vote_hub``
     (rank ``rank`` of it); upstream's blocking reduce is counted."""
 
@@ -238,7 +248,7 @@ def test_window_covers_every_operation_when_there_are_more_than_slots():
     assert seen == set(range(n))
 
 
-def test_attention_cp_x_tp_stands_down(make_cache, plugin):
+def test_attention_cp_x_tp_stands_down(make_cache, plugin, this_release):
     from hicache_async_ack.testing.collectives import FakeGroup
 
     sim = make_cache(
