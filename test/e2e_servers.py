@@ -30,7 +30,7 @@ WORDS = (
 ).split()
 
 
-def prompts(n: int, words: int = 60, seed: int = 0) -> list[str]:
+def prompts(n: int, words: int = 30, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
 
