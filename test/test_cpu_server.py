@@ -10,6 +10,12 @@ import sys
 import pytest
 import torch
 
+from hicache_async_ack.env import (
+    CPU_REDUCE_LATENCY_VAR,
+    CPU_SKEW_VAR,
+    parse_cpu_reduce_latency_ms,
+    parse_cpu_skew,
+)
 from hicache_async_ack.testing import cpu_server
 from hicache_async_ack.testing.cpu_server import model, standins
 
@@ -57,19 +63,19 @@ def test_skewed_event_reports_done_after_its_polls_and_on_a_blocking_wait():
 
 @pytest.mark.parametrize("raw, polls", [("", ()), (None, ()), ("0,3", (0, 3)), ("4", (4,))])
 def test_skew_parses(raw, polls):
-    assert standins.parse_skew(raw) == polls
+    assert parse_cpu_skew(raw) == polls
 
 
 @pytest.mark.parametrize("raw", ["x", "1,-2", "1,,2"])
 def test_bad_skew_names_the_accepted_form(raw):
     with pytest.raises(ValueError, match="comma-separated non-negative poll counts"):
-        standins.parse_skew(raw)
+        parse_cpu_skew(raw)
 
 
 @pytest.mark.parametrize("raw", ["-1", "inf", "fast"])
 def test_bad_latency_names_the_accepted_form(raw):
     with pytest.raises(ValueError, match="milliseconds >= 0"):
-        standins.parse_latency_ms(raw)
+        parse_cpu_reduce_latency_ms(raw)
 
 
 @pytest.mark.parametrize(
@@ -93,7 +99,7 @@ def test_environment_puts_the_stand_ins_first_and_keeps_the_callers_path():
                                  latency_ms=3.2)  # fmt: skip
     assert env["PYTHONPATH"].split(":") == [str(cpu_server.BOOT_DIR), "/x"]
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
-    assert env[standins.SKEW_VAR] == "0,1" and env[standins.LATENCY_VAR] == "3.2"
+    assert env[CPU_SKEW_VAR] == "0,1" and env[CPU_REDUCE_LATENCY_VAR] == "3.2"
     with pytest.raises(ValueError):
         cpu_server.environment([], base={}, skew="oops")
 

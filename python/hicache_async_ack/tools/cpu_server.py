@@ -11,9 +11,9 @@ import argparse
 import os
 import sys
 
+from ..env import parse_cpu_reduce_latency_ms, parse_cpu_skew
 from ..testing import cpu_server
 from ..testing.cpu_server.model import default_dir
-from ..testing.cpu_server.standins import parse_latency_ms, parse_skew
 
 SUMMARY = "run SGLang's real launch_server on this CPU-only host (tests, demos, bench)"
 DESCRIPTION = (
@@ -27,7 +27,7 @@ DESCRIPTION = (
 
 def _skew(raw: str) -> str:
     try:
-        parse_skew(raw)
+        parse_cpu_skew(raw)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return raw
@@ -35,7 +35,7 @@ def _skew(raw: str) -> str:
 
 def _latency(raw: str) -> float:
     try:
-        return parse_latency_ms(raw)
+        return parse_cpu_reduce_latency_ms(raw)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -22,8 +22,14 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+from ...env import (
+    CPU_REDUCE_LATENCY_VAR,
+    CPU_SKEW_VAR,
+    parse_cpu_reduce_latency_ms,
+    parse_cpu_skew,
+)
 from .model import ensure_model
-from .standins import LATENCY_VAR, SKEW_VAR, STANDINS, parse_latency_ms, parse_skew
+from .standins import STANDINS
 
 BOOT_DIR = Path(__file__).resolve().parent / "boot"
 # A path that does not exist: PyNccl then stays off instead of asking for CUDA.
@@ -81,11 +87,11 @@ def environment(
         PYTHONPATH=os.pathsep.join(p for p in (str(BOOT_DIR), env.get("PYTHONPATH")) if p),
     )
     if skew is not None:
-        parse_skew(skew)
-        env[SKEW_VAR] = skew
+        parse_cpu_skew(skew)
+        env[CPU_SKEW_VAR] = skew
     if latency_ms:
-        parse_latency_ms(str(latency_ms))
-        env[LATENCY_VAR] = str(latency_ms)
+        parse_cpu_reduce_latency_ms(str(latency_ms))
+        env[CPU_REDUCE_LATENCY_VAR] = str(latency_ms)
     return env
 
 

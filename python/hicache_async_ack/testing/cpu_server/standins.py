@@ -6,7 +6,7 @@ never by the plugin. Each stand-in replaces one GPU-only piece on the HiCache
 path with a plain CPU equivalent; none touches what the plugin hooks, so the
 server's scheduler, cache, cache controller and host pool are SGLang's own.
 
-Skew mode (``HICACHE_ASYNC_ACK_CPU_SKEW``): on CPU every copy completes at
+Skew mode (``HICACHE_ASYNC_ACK_CPU_SKEW``, env.py): on CPU every copy completes at
 once, so no rank ever sees an ack pending that is done on a peer. With skew,
 each ack's finish event reports done only after a per-rank number of polls,
 as a GPU host's streams do, so the MIN over ranks matters.
@@ -21,16 +21,14 @@ import os
 import sys
 from typing import Callable
 
-logger = logging.getLogger("hicache_async_ack.cpu_server")
+from ...env import (
+    CPU_REDUCE_LATENCY_VAR,
+    CPU_SKEW_VAR,
+    parse_cpu_reduce_latency_ms,
+    parse_cpu_skew,
+)
 
-# HICACHE_ASYNC_ACK_CPU_SKEW: comma-separated polls per global rank (rank i uses
-# entry i mod len), e.g. "0,3": rank 1's acks report done on their 4th poll.
-SKEW_VAR = "HICACHE_ASYNC_ACK_CPU_SKEW"
-# HICACHE_ASYNC_ACK_CPU_REDUCE_LATENCY_MS: model a host whose gloo all_reduce is
-# slow (the seed's B200 host: 3.2 ms), as the step bench does: every blocking
-# UnifiedRadixCache._all_reduce sleeps this long first, and the plugin's async
-# reduces complete no earlier than this long after they were issued.
-LATENCY_VAR = "HICACHE_ASYNC_ACK_CPU_REDUCE_LATENCY_MS"
+logger = logging.getLogger("hicache_async_ack.cpu_server")
 
 # What each stand-in replaces, in the words of the start-up log.
 STANDINS = {
@@ -38,37 +36,9 @@ STANDINS = {
     "sgl_kernel's Python wrappers import",
     "sgl_kernel ops": "torch.ops.sgl_kernel.assign_req_to_token_pool_cpu and "
     "transfer_kv_direct registered as CPU index copies",
-    "host KV pool": "direct-I/O op bound on CPU; host memory allocated without cudaHostRegister",
+    "host KV pool": "direct-I/O op bound on CPU; host memory allocated without "
+    "cudaHostRegister and never page-locked (storage staging pages included)",
 }
-
-
-def parse_latency_ms(raw: str | None) -> float:
-    """``"3.2"`` -> 3.2; empty -> 0. Bad input names the accepted form."""
-    if not raw:
-        return 0.0
-    try:
-        ms = float(raw)
-    except ValueError:
-        ms = -1.0
-    if not ms >= 0 or ms == float("inf"):
-        raise ValueError(f"{LATENCY_VAR}={raw!r}: expected a number of milliseconds >= 0")
-    return ms
-
-
-def parse_skew(raw: str | None) -> tuple[int, ...]:
-    """``"0,3"`` -> (0, 3); empty -> (). Bad input names the accepted form."""
-    if not raw:
-        return ()
-    try:
-        polls = tuple(int(part) for part in raw.split(","))
-    except ValueError:
-        polls = (-1,)
-    if any(p < 0 for p in polls):
-        raise ValueError(
-            f"{SKEW_VAR}={raw!r}: expected comma-separated non-negative poll counts, "
-            "one per rank, e.g. '0,3'"
-        )
-    return polls
 
 
 # --- sgl_kernel ---------------------------------------------------------------
@@ -203,7 +173,7 @@ def _rank_polls(polls: tuple[int, ...]) -> int:
 
 
 def _patch_cache_controller(module) -> None:
-    polls = parse_skew(os.environ.get(SKEW_VAR))
+    polls = parse_cpu_skew(os.environ.get(CPU_SKEW_VAR))
     if not polls:
         return
     real_ack = module.HiCacheAck
@@ -221,7 +191,7 @@ def _patch_cache_controller(module) -> None:
 
 
 def _latency_s() -> float:
-    return parse_latency_ms(os.environ.get(LATENCY_VAR)) / 1000.0
+    return parse_cpu_reduce_latency_ms(os.environ.get(CPU_REDUCE_LATENCY_VAR)) / 1000.0
 
 
 def _delay_stock_all_reduce(module) -> None:
@@ -294,8 +264,8 @@ def install() -> None:
     """Install the stand-ins in this process (idempotent)."""
     if any(isinstance(f, _PatchingFinder) for f in sys.meta_path):
         return
-    parse_skew(os.environ.get(SKEW_VAR))  # fail at start, not at the first ack
-    parse_latency_ms(os.environ.get(LATENCY_VAR))
+    parse_cpu_skew(os.environ.get(CPU_SKEW_VAR))  # fail at start, not at the first ack
+    parse_cpu_reduce_latency_ms(os.environ.get(CPU_REDUCE_LATENCY_VAR))
     if "sgl_kernel" in sys.modules:
         raise RuntimeError("cpu-server stand-ins must be installed before sgl_kernel is imported")
     sys.meta_path.insert(0, _PatchingFinder())
