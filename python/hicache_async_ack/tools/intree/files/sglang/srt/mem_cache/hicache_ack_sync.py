@@ -19,8 +19,9 @@ Why popping late is safe:
   storage drains) run on every rank at the same point of the schedule. So what
   they took between issue and wait is a prefix of the counted entries, the
   same on every rank. Each reduce keeps the first and the last entry it
-  counted per queue; when it completes, the position of the last one gives how
-  many of the agreed entries are still queued, and only those are popped.
+  counted per queue; when it completes, the first one still at the head means
+  nothing was taken, else the position of the last one gives how many of the
+  agreed entries are still queued. Only those are popped.
 - The reduce ends with [x, -x] where the blocking path sends [digest, -digest],
   with x = depth << 42 | digest. A rank on the blocking path, at another depth,
   or whose reclaim digest diverged makes min and max differ: every pipelining
@@ -77,7 +78,6 @@ class _Reduce(NamedTuple):
     tensor: torch.Tensor
     counted: list[_Counted]  # per queue, in tensor order
     extra_pool_names: tuple
-    x: int
 
 
 def _read_setting(field: EnvField, accepted: str):
@@ -182,7 +182,7 @@ class HiCacheAckSync:
             group=self.group,
             async_op=True,
         )
-        self.in_flight.append(_Reduce(work, tensor, counted, extra_pool_names, x))
+        self.in_flight.append(_Reduce(work, tensor, counted, extra_pool_names))
 
     def agreed_counts(self) -> tuple[int, int, tuple[int, ...], tuple]:
         """The counts to pop this step, as _sync_hicache_ready_counts returns
