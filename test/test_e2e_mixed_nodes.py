@@ -1,8 +1,8 @@
-"""Two nodes on loopback, one with the plugin disabled: both must stop, and the
+"""Two nodes on loopback, one configured otherwise: both must stop, and the
 pipelining node must say why (never serve on pops the ranks disagree on).
 
 TP=2 over two "nodes" (--nnodes 2, one rank each) on 127.0.0.1: node 0
-pipelines, node 1 runs SGLang's blocking path (SGLANG_ENABLE_..._SYNC=0).
+pipelines; node 1 runs SGLang's blocking path, or only its prefetch votes.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from hicache_async_ack.env import PREFETCH_VOTES_VAR
 from hicache_async_ack.testing.cpu_server import Server, free_port
 
 from e2e_servers import BASE_ARGS, START_TIMEOUT_S, STOCK_ENV
@@ -21,23 +22,33 @@ pytestmark = pytest.mark.e2e
 STOP_WITHIN_S = START_TIMEOUT_S
 
 
-def test_node_without_the_plugin_stops_both_and_the_pipelining_node_names_it(tmp_path):
-    tmp = tmp_path
+@pytest.mark.parametrize(
+    "node1_env, storage, cause",
+    [
+        # The plugin disabled on node 1: the ack sync's first exchange names it.
+        (STOCK_ENV, False, "HiCacheAckSyncMismatch: HiCache ack sync"),
+        # Only the prefetch votes off on node 1 (a storage backend attached, default
+        # timeout policy): their one-time agreement names the setting.
+        ({PREFETCH_VOTES_VAR: "0"}, True, PREFETCH_VOTES_VAR + " differs"),
+    ],
+    ids=["plugin-disabled", "prefetch-votes-off"],
+)
+def test_a_node_configured_otherwise_stops_both_and_the_cause_is_named(
+    tmp_path, node1_env, storage, cause
+):
     dist = f"127.0.0.1:{free_port()}"
-    # A low gloo timeout of SGLang's own would only hide the cause; the plugin
-    # must name it before any timeout.
-    nodes = [
-        Server(
-            [*BASE_ARGS, "--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", dist],
-            env=env,
-            log_path=tmp / f"node{rank}.log",
-            wait=False,
-        )
-        for rank, env in ((0, {}), (1, STOCK_ENV))
-    ]
+    nodes = []
+    for rank, env in ((0, {}), (1, node1_env)):
+        args = [*BASE_ARGS, "--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", dist]
+        env = dict(env)
+        if storage:
+            args += ["--hicache-storage-backend", "file"]
+            env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = str(tmp_path / f"storage{rank}")
+        nodes.append(Server(args, env=env, log_path=tmp_path / f"node{rank}.log", wait=False))
     try:
         for node in nodes:
             node.start()
+        # No gloo timeout is lowered: the plugin must name the cause before any.
         deadline = time.monotonic() + STOP_WITHIN_S
         while time.monotonic() < deadline and not all(n.exited() for n in nodes):
             if not nodes[0].exited():
@@ -45,8 +56,8 @@ def test_node_without_the_plugin_stops_both_and_the_pipelining_node_names_it(tmp
             time.sleep(2.0)
         logs = [n.log() for n in nodes]
         assert all(n.exited() for n in nodes), "a node still runs:\n" + logs[0][-3000:]
-        assert "HiCacheAckSyncMismatch" in logs[0], logs[0][-4000:]
-        assert "pipelin" in logs[0].split("HiCacheAckSyncMismatch", 1)[1][:2000]
+        # Node 0 pipelines, and knows: its log says why.
+        assert cause in logs[0], logs[0][-4000:]
     finally:
         for node in nodes:
             node.stop()

@@ -153,6 +153,20 @@ def test_flushed_prefix_comes_back_from_storage(name, plugin_server, stock_serve
     assert any(n > 0 for n in from_storage), from_storage
 
 
+def test_prefetch_votes_pipelined_and_voted_on_the_storage_prefetches(plugin_server):
+    # After the storage test: several prefetches were in flight under the default
+    # timeout policy, decided by one vote reduce per pass instead of one blocking
+    # reduce per waiting request.
+    log = plugin_server.log()
+    for rank in (0, 1):
+        assert f"TP{rank}] HiCache prefetch votes: pipelined" in log
+    voted = {
+        s.labels["tp_rank"]: s.value
+        for s in metric_samples(plugin_server, "sglang:hicache_prefetch_votes_operations_total")
+    }
+    assert set(voted) == {"0", "1"} and voted["0"] == voted["1"] > 0, voted
+
+
 @pytest.mark.parametrize("name", ["plugin", "stock"])
 def test_flush_cache_over_http_while_requests_in_flight(name, plugin_server, stock_server):
     server = {"plugin": plugin_server, "stock": stock_server}[name]
