@@ -52,7 +52,8 @@ def test_one_short_run_of_both_arms_on_the_real_server(tmp_path):
     png = tmp_path / "server.png"
     cmd = [
         sys.executable, "-m", "hicache_async_ack", "bench-server",
-        "--runs", "1", "--latency-ms", "0", "--num-groups", "2",
+        # Injected latency: the measurement device must leave the plugin live.
+        "--runs", "1", "--latency-ms", "3", "--num-groups", "2",
         "--prompts-per-group", "4", "--system-prompt-len", "64", "--question-len", "16",
         "--output-len", "4", "--out", str(out), "--png", str(png),
         "--workdir", str(tmp_path / "work"), "--quiet",

@@ -14,11 +14,13 @@ as a GPU host's streams do, so the MIN over ranks matters.
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import logging
 import os
 import sys
+import time
 from typing import Callable
 
 from ...env import (
@@ -198,11 +200,12 @@ def _delay_stock_all_reduce(module) -> None:
     latency = _latency_s()
     if not latency:
         return
-    import time
-
     cls = module.UnifiedRadixCache
     real = cls._all_reduce
 
+    # wraps(): the plugin's version guard fingerprints _all_reduce (unwrapped), and
+    # this measurement device must not change what it sees.
+    @functools.wraps(real)
     def slow_all_reduce(self, *args, **kwargs):
         time.sleep(latency)
         return real(self, *args, **kwargs)
