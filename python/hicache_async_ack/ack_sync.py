@@ -390,6 +390,24 @@ class CacheState:
             self.metrics.on_path(True, after)
 
 
+def announce_path(state, decision: Decision, what: str, detail: str, log) -> None:
+    """The prefetch votes' and the decode offload sync's path line: once per rank,
+    again on each change of path, with their ``pipelined`` gauge set alike."""
+    key = (decision.pipelined, decision.reason)
+    if key == state.announced:
+        return
+    state.announced = key
+    if state.metrics is not None:
+        state.metrics.on_path(decision.pipelined)
+    if decision.pipelined:
+        log.info(
+            "%s: pipelined over the %s (world size %d%s)",
+            what, decision.reason, decision.world_size, detail,
+        )  # fmt: skip
+    else:
+        log.info("%s: blocking (upstream path) because %s", what, decision.reason)
+
+
 def state_of(cache) -> Optional[CacheState]:
     return cache.__dict__.get(_STATE_ATTR)
 

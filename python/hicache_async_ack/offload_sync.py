@@ -85,7 +85,7 @@ class OffloadSyncState:
         self.agreed = False
         self.draining = False  # inside drain_before_retraction: upstream's path
         self.metrics: Any = metrics_for(manager) if self.static.pipelined else None
-        self._announced: Optional[tuple] = None
+        self.announced: Optional[tuple] = None
 
     def decide(self, manager) -> Decision:
         if not self.static.pipelined:
@@ -122,23 +122,7 @@ class OffloadSyncState:
         self.agreed = True
 
     def announce(self, decision: Decision) -> None:
-        key = (decision.pipelined, decision.reason)
-        if key == self._announced:
-            return
-        self._announced = key
-        if self.metrics is not None:
-            self.metrics.on_path(decision.pipelined)
-        if decision.pipelined:
-            logger.info(
-                "HiCache decode offload sync: pipelined over the %s (world size %d, depth 1)",
-                decision.reason,
-                decision.world_size,
-            )
-        else:
-            logger.info(
-                "HiCache decode offload sync: blocking (upstream path) because %s",
-                decision.reason,
-            )
+        ack_sync.announce_path(self, decision, "HiCache decode offload sync", ", depth 1", logger)
 
 
 def changed_methods() -> list[str]:

@@ -101,7 +101,7 @@ class PrefetchVoteState:
         self.verdicts: Optional[Verdicts] = None
         self.metrics: Any = None  # on_path / on_pass / on_stop / on_failure
         self.stopped = 0  # operations stopped on a verdict (for tests and the bench)
-        self._announced: Optional[tuple] = None
+        self.announced: Optional[tuple] = None
 
     def eligible(self, cache) -> Decision:
         """Whether the votes can replace upstream's reduce this pass (the
@@ -162,23 +162,13 @@ class PrefetchVoteState:
         self.agreed = True
 
     def announce(self, decision: Decision) -> None:
-        key = (decision.pipelined, decision.reason)
-        if key == self._announced:
-            return
-        self._announced = key
-        if self.metrics is not None:
-            self.metrics.on_path(decision.pipelined)
-        if decision.pipelined:
-            logger.info(
-                "HiCache prefetch votes: pipelined over the %s (world size %d; one vote "
-                "reduce per pass, deadlines decided one pass late)",
-                decision.reason,
-                decision.world_size,
-            )
-        else:
-            logger.info(
-                "HiCache prefetch votes: blocking (upstream path) because %s", decision.reason
-            )
+        ack_sync.announce_path(
+            self,
+            decision,
+            "HiCache prefetch votes",
+            "; one vote reduce per pass, deadlines decided one pass late",
+            logger,
+        )
 
     def vote(self, cache, operation) -> bool:
         """This rank's vote: PP0's deadline predicate, as upstream reduces it."""

@@ -13,13 +13,12 @@ rank_env ({rank: settings}), retract (probability per step), expect_error.
 
 from __future__ import annotations
 
-import os
 import random
-import time
 import traceback
 
 from ..env import ENABLE_VAR, OFFLOAD_SYNC_VAR
 from .offload_sim import build_manager
+from .spec_ranks import run_specs
 
 VARS = (ENABLE_VAR, OFFLOAD_SYNC_VAR)
 
@@ -74,26 +73,4 @@ def run_offload_scenario(spec: dict, rank: int, world: int, group) -> dict:
 
 def run_offload_specs(ctx, payload: dict) -> dict:
     """Rank target: SGLang's load_plugins(), then each spec on a fresh TP group."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-    from sglang.srt.plugins import load_plugins
-
-    saved = {k: os.environ.get(k) for k in VARS}
-    load_plugins()
-    timeout = timedelta(seconds=payload.get("group_timeout_s", 60.0))
-    results: dict = {}
-    for spec in payload["specs"]:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        os.environ.update(spec.get("env", {}))
-        os.environ.update(spec.get("rank_env", {}).get(str(ctx.rank), {}))
-        group = dist.new_group(list(range(ctx.world_size)), backend="gloo", timeout=timeout)
-        t0 = time.monotonic()
-        results[spec["name"]] = run_offload_scenario(spec, ctx.rank, ctx.world_size, group)
-        results[spec["name"]]["seconds"] = time.monotonic() - t0
-        ctx.report(len(results))
-    return results
+    return run_specs(ctx, payload, VARS, run_offload_scenario)

@@ -20,27 +20,16 @@ request every pass), expect_error.
 
 from __future__ import annotations
 
-import os
 import random
-import time
 import traceback
 from types import SimpleNamespace
 
 from ..env import ENABLE_VAR, PREFETCH_VOTES_VAR
 from .prefetch_sim import add_prefetch
 from .sim_cache import build_cache
+from .spec_ranks import run_specs
 
 VARS = (ENABLE_VAR, PREFETCH_VOTES_VAR)
-
-
-def _apply_env(spec: dict, rank: int, saved: dict) -> None:
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    os.environ.update(spec.get("env", {}))
-    os.environ.update(spec.get("rank_env", {}).get(str(rank), {}))
 
 
 def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
@@ -124,20 +113,4 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
 
 def run_prefetch_specs(ctx, payload: dict) -> dict:
     """Rank target: SGLang's load_plugins(), then each spec on a fresh TP group."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-    from sglang.srt.plugins import load_plugins
-
-    saved = {k: os.environ.get(k) for k in VARS}
-    load_plugins()
-    timeout = timedelta(seconds=payload.get("group_timeout_s", 60.0))
-    results: dict = {}
-    for spec in payload["specs"]:
-        _apply_env(spec, ctx.rank, saved)
-        group = dist.new_group(list(range(ctx.world_size)), backend="gloo", timeout=timeout)
-        t0 = time.monotonic()
-        results[spec["name"]] = run_prefetch_scenario(spec, ctx.rank, ctx.world_size, group)
-        results[spec["name"]]["seconds"] = time.monotonic() - t0
-        ctx.report(len(results))
-    return results
+    return run_specs(ctx, payload, VARS, run_prefetch_scenario)

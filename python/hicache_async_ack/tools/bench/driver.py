@@ -12,7 +12,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from ... import __version__
 from ...env import DEPTH_AUTO, DEPTH_DEFAULT, DEPTH_MAX, DEPTH_VAR, PLUGINS_VAR
@@ -181,6 +181,12 @@ def write_outputs(args, cfg: dict, figures: dict, lim: dict, load_at_start) -> N
         },
         "limits": lim,
     }
+    save(args, record, "bench", lambda png: plot.draw_png(png, figures, title_of(cfg)))
+
+
+def save(args, record: dict, stem: str, draw: Callable[[Path], None]) -> None:
+    """Append ``record`` to --out (JSONL) and draw the PNG (--png, else next to
+    --out, else ./STEM.png); without matplotlib, a warning instead of the PNG."""
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -188,10 +194,10 @@ def write_outputs(args, cfg: dict, figures: dict, lim: dict, load_at_start) -> N
             f.write(json.dumps(record) + "\n")
         if not args.quiet:
             print(f"appended results to {out}", file=sys.stderr)
-    png = Path(args.png) if args.png else Path(args.out or "bench").with_suffix(".png")
+    png = Path(args.png) if args.png else Path(args.out or stem).with_suffix(".png")
     try:
         png.parent.mkdir(parents=True, exist_ok=True)
-        plot.draw_png(png, figures, title_of(cfg))
+        draw(png)
         if not args.quiet:
             print(f"wrote {png}", file=sys.stderr)
     except ImportError as exc:

@@ -22,13 +22,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
 from ... import __version__
 from ...env import ENABLE_VAR
 from ..options import ToolError, int_in
-from .driver import _parse_list, versions
+from .driver import _parse_list, save, versions
 from .summary import _fmt, _pct, render
 
 ARMS = ("stock", "plugin")
@@ -223,7 +224,7 @@ def draw_png(path: Path, results: list[dict], title: str) -> None:
             ax.plot([x] * len(pts), pts, "k.", markersize=4)
     ax.set_xticks(range(len(latencies)), [f"{lat:g} ms injected" for lat in latencies])
     ax.set_ylabel("output tokens/s (median of runs; dots: each run)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -284,19 +285,7 @@ def run(args) -> int:
         "loadavg_end": os.getloadavg(),
         "results": results,
     }
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-    png = Path(args.png) if args.png else Path(args.out or "bench-server").with_suffix(".png")
-    try:
-        png.parent.mkdir(parents=True, exist_ok=True)
-        draw_png(png, results, title_of(cfg))
-        if not args.quiet:
-            print(f"wrote {png}", file=sys.stderr)
-    except ImportError as exc:
-        print(f"warning: no PNG ({exc}); pip install 'hicache-async-ack[bench]'", file=sys.stderr)
+    save(args, record, "bench-server", lambda png: draw_png(png, results, title_of(cfg)))
     return 0
 
 
