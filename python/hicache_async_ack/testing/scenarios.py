@@ -33,6 +33,7 @@ from ..env import DEPTH_VAR, ENABLE_VAR
 from ..sglang_plugin import after_init_hicache
 from .model_time import ModelClock, modelled
 from .sim_cache import build_cache
+from .spec_ranks import apply_env
 from .traffic import StepClock, Traffic, TrafficSpec
 
 EVENTS = (
@@ -74,13 +75,7 @@ def apply_settings(spec: dict, rank: int) -> None:
     global process_settings
     if process_settings is None:
         process_settings = {k: os.environ.get(k) for k in SETTINGS_VARS}
-    for k, v in process_settings.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    os.environ.update(spec.get("env", {}))
-    os.environ.update(spec.get("rank_env", {}).get(str(rank), {}))
+    apply_env(spec, rank, process_settings)
 
 
 class RankDriver:
