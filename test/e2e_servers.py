@@ -8,6 +8,7 @@ Every server runs in its own process group and is always taken down.
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -70,3 +71,32 @@ def metric_samples(server: Server, name: str) -> list:
 def host_tokens(reply: dict, where: str = "host") -> int:
     details = reply["meta_info"].get("cached_tokens_details") or {}
     return int(details.get(where) or 0)
+
+
+def settled(read, ranks: int, settle_s: float = 120.0) -> dict:
+    """``read()`` (a {tp_rank: value} mapping) once every rank has caught up.
+
+    Every rank pops, votes and counts the same entries, each at its own step: a
+    scrape can catch one rank a step behind another (more so on a loaded box). So
+    poll until the ranks agree, and return what was seen last if they never do.
+    """
+    deadline = time.monotonic() + settle_s
+    while True:
+        out = read()
+        agree = len(out) == ranks and all(v == out["0"] for v in out.values())
+        if agree or time.monotonic() > deadline:
+            return out
+        time.sleep(0.5)
+
+
+def popped_by_rank(server: Server, ranks: int) -> dict:
+    """Entries popped per queue, per tp_rank, once every rank has caught up."""
+
+    def read() -> dict:
+        out: dict = {}
+        for s in metric_samples(server, "sglang:hicache_ack_sync_popped_entries_total"):
+            if s.name.endswith("_total"):
+                out.setdefault(s.labels["tp_rank"], {})[s.labels["queue"]] = s.value
+        return out
+
+    return settled(read, ranks)

@@ -13,7 +13,7 @@ import pytest
 
 from hicache_async_ack.env import PLUGINS_VAR
 
-from e2e_servers import host_tokens, metric_samples, prompts, serve
+from e2e_servers import host_tokens, metric_samples, popped_by_rank, prompts, serve
 
 pytestmark = pytest.mark.e2e
 
@@ -25,14 +25,6 @@ def resend_hits(server) -> list[int]:
     for p in PROMPTS:
         server.generate(p, max_new_tokens=4)
     return [host_tokens(server.generate(p, max_new_tokens=4)) for p in PROMPTS[:4]]
-
-
-def popped_by_rank(server) -> dict:
-    out: dict = {}
-    for s in metric_samples(server, "sglang:hicache_ack_sync_popped_entries_total"):
-        if s.name.endswith("_total"):
-            out.setdefault(s.labels["tp_rank"], {})[s.labels["queue"]] = s.value
-    return out
 
 
 def assert_pipelined(server, ranks: int) -> None:
@@ -54,7 +46,7 @@ class TestWriteBackNormalLoop:
         assert_pipelined(server, 2)
         hits = resend_hits(server)
         assert any(h > 0 for h in hits), hits
-        popped = popped_by_rank(server)
+        popped = popped_by_rank(server, 2)
         assert popped["0"] == popped["1"]  # the same entries on every rank
         assert sum(v for q, v in popped["0"].items() if "load" in q) > 0, popped
 
@@ -100,6 +92,6 @@ class TestTP4:
         assert_pipelined(server, 4)
         hits = resend_hits(server)
         assert any(h > 0 for h in hits), hits
-        popped = popped_by_rank(server)
+        popped = popped_by_rank(server, 4)
         assert sorted(popped) == ["0", "1", "2", "3"]
         assert all(popped[r] == popped["0"] for r in popped)

@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from e2e_servers import STOCK_ENV, host_tokens, metric_samples, prompts, serve
+from e2e_servers import (
+    STOCK_ENV,
+    host_tokens,
+    metric_samples,
+    popped_by_rank,
+    prompts,
+    serve,
+    settled,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -94,11 +102,7 @@ def test_metrics_pipelined_on_every_rank_and_entries_popped(plugin_server, seque
     pipelined = metric_samples(plugin_server, "sglang:hicache_ack_sync_pipelined")
     assert sorted(s.labels["tp_rank"] for s in pipelined) == ["0", "1"]
     assert all(s.value == 1.0 for s in pipelined)
-    popped = metric_samples(plugin_server, "sglang:hicache_ack_sync_popped_entries_total")
-    by_rank: dict = {}
-    for s in popped:
-        if s.name.endswith("_total"):
-            by_rank.setdefault(s.labels["tp_rank"], {})[s.labels["queue"]] = s.value
+    by_rank = popped_by_rank(plugin_server, 2)
     assert set(by_rank) == {"0", "1"}
     # The group's agreement pops the same entries on every rank.
     assert by_rank["0"] == by_rank["1"]
@@ -160,10 +164,10 @@ def test_prefetch_votes_pipelined_and_voted_on_the_storage_prefetches(plugin_ser
     log = plugin_server.log()
     for rank in (0, 1):
         assert f"TP{rank}] HiCache prefetch votes: pipelined" in log
-    voted = {
-        s.labels["tp_rank"]: s.value
-        for s in metric_samples(plugin_server, "sglang:hicache_prefetch_votes_operations_total")
-    }
+    name = "sglang:hicache_prefetch_votes_operations_total"
+    voted = settled(
+        lambda: {s.labels["tp_rank"]: s.value for s in metric_samples(plugin_server, name)}, 2
+    )
     assert set(voted) == {"0", "1"} and voted["0"] == voted["1"] > 0, voted
 
 
