@@ -57,6 +57,6 @@ fi
 "$venv/bin/python" -c "import hicache_async_ack" || { echo "setup: install failed" >&2; exit 1; }
 # The tiny model cpu-server and the end-to-end tests serve (built offline once, in
 # ~/.cache/hicache-async-ack; a no-op when present).
-"$venv/bin/python" -c "from hicache_async_ack.testing.cpu_server.model import ensure_model as m; m()" \
+"$venv/bin/python" -c "from hicache_async_ack.tools.cpu_server.model import ensure_model as m; m()" \
   || { echo "setup: building the tiny model failed" >&2; exit 1; }
 echo "$venv"

@@ -15,7 +15,7 @@ from typing import Iterator
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache_async_ack.env import ENABLE_VAR
-from hicache_async_ack.testing.cpu_server import Server
+from hicache_async_ack.tools.cpu_server import Server
 
 # Device pool 512 tokens, host pool 4x: ten ~110-token prompts overflow the
 # device, so early prefixes are evicted to host and loaded back when re-sent.

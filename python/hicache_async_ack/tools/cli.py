@@ -8,9 +8,10 @@ import signal
 import sys
 
 from .. import __version__
-from . import cpu_server, doctor, upstream_patch
+from . import doctor, upstream_patch
 from .bench import driver as bench
 from .bench import server as bench_server
+from .cpu_server import cli as cpu_server
 from .options import ToolError
 from .ranks import RanksFailed
 

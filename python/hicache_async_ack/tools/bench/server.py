@@ -103,8 +103,8 @@ def plugin_state(server) -> dict:
 
 
 def run_arm(cfg: dict, arm: str, latency_ms: float, workdir: Path, quiet: bool) -> dict:
-    from ...testing.cpu_server import Server
-    from ...testing.cpu_server.model import ensure_model
+    from ..cpu_server import Server
+    from ..cpu_server.model import ensure_model
 
     model = ensure_model()
     name = f"{arm}-{latency_ms:g}ms"

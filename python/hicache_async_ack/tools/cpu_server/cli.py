@@ -11,9 +11,9 @@ import argparse
 import os
 import sys
 
-from ..env import parse_cpu_reduce_latency_ms, parse_cpu_skew
-from ..testing import cpu_server
-from ..testing.cpu_server.model import default_dir
+from . import command, describe_standins, environment
+from .model import default_dir
+from .settings import parse_cpu_reduce_latency_ms, parse_cpu_skew
 
 SUMMARY = "run SGLang's real launch_server on this CPU-only host (tests, demos, bench)"
 DESCRIPTION = (
@@ -75,12 +75,12 @@ def run(args) -> int:
     from pathlib import Path
 
     rest = list(args.rest)
-    cmd = cpu_server.command(rest, Path(args.cpu_model_dir) if args.cpu_model_dir else None)
-    env = cpu_server.environment(cmd, skew=args.cpu_skew, latency_ms=args.cpu_reduce_latency_ms)
+    cmd = command(rest, Path(args.cpu_model_dir) if args.cpu_model_dir else None)
+    env = environment(cmd, skew=args.cpu_skew, latency_ms=args.cpu_reduce_latency_ms)
     shown = {k: env[k] for k in sorted(set(env) - set(os.environ) | {"PYTHONPATH"}) if k in env}
     print("hicache-async-ack cpu-server: CPU stand-ins (test support, never production):",
           file=sys.stderr)  # fmt: skip
-    print(cpu_server.describe_standins(), file=sys.stderr)
+    print(describe_standins(), file=sys.stderr)
     if args.cpu_skew:
         print(f"  - skew: acks report done after {args.cpu_skew} polls per rank", file=sys.stderr)
     if args.cpu_reduce_latency_ms:

@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Callable
 
-from ...env import (
+from .settings import (
     CPU_REDUCE_LATENCY_VAR,
     CPU_SKEW_VAR,
     parse_cpu_reduce_latency_ms,

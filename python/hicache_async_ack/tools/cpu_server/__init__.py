@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from ...env import (
+from .settings import (
     CPU_REDUCE_LATENCY_VAR,
     CPU_SKEW_VAR,
     parse_cpu_reduce_latency_ms,

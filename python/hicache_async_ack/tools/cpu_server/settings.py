@@ -1,0 +1,46 @@
+"""cpu-server's own settings: read by its CPU stand-ins (test support), never by the
+plugin, whose settings are all in :mod:`hicache_async_ack.env`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+# HICACHE_ASYNC_ACK_CPU_SKEW: comma-separated polls per global rank
+# (rank i uses entry i mod len) before an ack's finish event reports done, e.g.
+# "0,3"; on CPU every copy finishes at once, on a GPU host not on every rank alike.
+CPU_SKEW_VAR = "HICACHE_ASYNC_ACK_CPU_SKEW"
+# HICACHE_ASYNC_ACK_CPU_REDUCE_LATENCY_MS: model a host whose gloo all_reduce is slow
+# (the seed's B200 host: 3.2 ms): every blocking UnifiedRadixCache._all_reduce sleeps
+# this long first; the plugin's async reduces complete no earlier than this after issue.
+CPU_REDUCE_LATENCY_VAR = "HICACHE_ASYNC_ACK_CPU_REDUCE_LATENCY_MS"
+
+
+def parse_cpu_skew(raw: Optional[str]) -> tuple[int, ...]:
+    """``"0,3"`` -> (0, 3); unset or empty -> (). Bad input names the accepted form."""
+    if not raw:
+        return ()
+    try:
+        polls = tuple(int(part) for part in raw.split(","))
+    except ValueError:
+        polls = (-1,)
+    if any(p < 0 for p in polls):
+        raise ValueError(
+            f"{CPU_SKEW_VAR}={raw!r}: expected comma-separated non-negative poll counts, "
+            "one per rank, e.g. '0,3'"
+        )
+    return polls
+
+
+def parse_cpu_reduce_latency_ms(raw: Optional[str]) -> float:
+    """``"3.2"`` -> 3.2; unset or empty -> 0. Bad input names the accepted form."""
+    if not raw:
+        return 0.0
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = -1.0
+    if not ms >= 0 or ms == float("inf"):
+        raise ValueError(
+            f"{CPU_REDUCE_LATENCY_VAR}={raw!r}: expected a number of milliseconds >= 0"
+        )
+    return ms
