@@ -10,14 +10,14 @@ import sys
 import pytest
 import torch
 
+from hicache_async_ack.tools import cpu_server
+from hicache_async_ack.tools.cpu_server import model, standins
 from hicache_async_ack.tools.cpu_server.settings import (
     CPU_REDUCE_LATENCY_VAR,
     CPU_SKEW_VAR,
     parse_cpu_reduce_latency_ms,
     parse_cpu_skew,
 )
-from hicache_async_ack.tools import cpu_server
-from hicache_async_ack.tools.cpu_server import model, standins
 
 
 def test_assign_req_to_token_pool_fills_each_request_span_in_order():

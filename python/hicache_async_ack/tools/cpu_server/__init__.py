@@ -22,13 +22,13 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+from .model import ensure_model
 from .settings import (
     CPU_REDUCE_LATENCY_VAR,
     CPU_SKEW_VAR,
     parse_cpu_reduce_latency_ms,
     parse_cpu_skew,
 )
-from .model import ensure_model
 from .standins import STANDINS
 
 BOOT_DIR = Path(__file__).resolve().parent / "boot"
