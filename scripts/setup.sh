@@ -23,6 +23,28 @@ PY
 venv=${HICACHE_ASYNC_ACK_VENV:-$HOME/.cache/hicache-async-ack/venv-py$pyver-$heavy_key}
 stamp="$venv/.deps-$deps_key"
 pip_q() { "$venv/bin/pip" install -q --disable-pip-version-check "$@"; }
+# Mooncake (the L3 store of the Mooncake e2e tests and bench): its native libraries
+# load libibverbs even for TCP. Debian packages, installed only when missing.
+mooncake_debs=(libibverbs1 libnl-3-200 libnl-route-3-200)
+missing_debs=()
+for deb in "${mooncake_debs[@]}"; do
+  dpkg-query -W -f='${Status}' "$deb" 2>/dev/null | grep -q "install ok installed" \
+    || missing_debs+=("$deb")
+done
+if [ ${#missing_debs[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing ${missing_debs[*]} (Mooncake's native libraries)" >&2
+    if ! log=$( (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y -qq --no-install-recommends "${missing_debs[@]}") 2>&1); then
+      echo "$log" >&2
+      echo "setup: apt-get install ${missing_debs[*]} failed (above)" >&2
+      exit 1
+    fi
+  else
+    echo "setup: warning: ${missing_debs[*]} missing (needs root and apt-get):" \
+      "the Mooncake tests will fail to load its libraries" >&2
+  fi
+fi
 if [ ! -x "$venv/bin/python" ]; then
   echo "setup: creating $venv" >&2
   mkdir -p "$(dirname "$venv")"
