@@ -45,6 +45,31 @@ if [ ${#missing_debs[@]} -gt 0 ]; then
       "the Mooncake tests will fail to load its libraries" >&2
   fi
 fi
+# Prometheus 2.42 and promtool (Debian's `prometheus`): the alert-rule tests and the
+# real-Prometheus end-to-end test. Installed only when missing; its service is never
+# started (a policy-rc.d that denies starts, only for the install, where none exists).
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing prometheus (promtool, for the monitoring tests)" >&2
+    own_policy=
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+      printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+      own_policy=1
+    fi
+    rc=0
+    log=$( (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y -qq --no-install-recommends prometheus) 2>&1) || rc=$?
+    [ -n "$own_policy" ] && rm -f /usr/sbin/policy-rc.d
+    if [ "$rc" != 0 ]; then
+      echo "$log" >&2
+      echo "setup: apt-get install prometheus failed (above)" >&2
+      exit 1
+    fi
+  else
+    echo "setup: warning: prometheus/promtool missing (needs root and apt-get):" \
+      "the monitoring tests will fail" >&2
+  fi
+fi
 if [ ! -x "$venv/bin/python" ]; then
   echo "setup: creating $venv" >&2
   mkdir -p "$(dirname "$venv")"
