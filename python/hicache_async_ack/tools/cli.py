@@ -1,5 +1,5 @@
 """``hicache-async-ack`` command line: ``bench``, ``bench-server``, ``cpu-server``,
-``doctor`` and ``upstream-patch``."""
+``mooncake-master``, ``doctor`` and ``upstream-patch``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from . import doctor, upstream_patch
 from .bench import driver as bench
 from .bench import server as bench_server
 from .cpu_server import cli as cpu_server
+from .cpu_server import mooncake
 from .options import ToolError
 from .ranks import RanksFailed
 
@@ -25,12 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(
         dest="command",
-        metavar="{bench,bench-server,cpu-server,doctor,upstream-patch}",
+        metavar="{bench,bench-server,cpu-server,mooncake-master,doctor,upstream-patch}",
         required=True,
     )
     bench.add_parser(sub)
     bench_server.add_parser(sub)
     cpu_server.add_parser(sub)
+    mooncake.add_parser(sub)
     doctor.add_parser(sub)
     upstream_patch.add_parser(sub)
     return parser

@@ -86,6 +86,9 @@ def environment(
         OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join(p for p in (str(BOOT_DIR), env.get("PYTHONPATH")) if p),
     )
+    from .mooncake import server_env  # (imports Server from here)
+
+    env.update(server_env(args, env))  # only with --hicache-storage-backend mooncake
     if skew is not None:
         parse_cpu_skew(skew)
         env[CPU_SKEW_VAR] = skew

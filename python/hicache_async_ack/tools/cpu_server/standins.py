@@ -23,6 +23,7 @@ import sys
 import time
 from typing import Callable
 
+from . import mooncake_standins
 from .settings import (
     CPU_REDUCE_LATENCY_VAR,
     CPU_SKEW_VAR,
@@ -234,6 +235,7 @@ PATCHES: dict[str, Callable] = {
     "sglang.srt.mem_cache.unified_radix_cache": _delay_stock_all_reduce,
     "hicache_async_ack.ack_sync": _delay_plugin_reduces,
 }
+mooncake_standins.register(PATCHES, STANDINS)  # the Mooncake backend's two direct ops
 
 
 class _PatchingLoader(importlib.abc.Loader):

@@ -1,0 +1,452 @@
+"""Mooncake, the L3 store operators run with HiCache, for cpu-server (test support).
+
+Mooncake's transfer engine listens on every interface whatever it is told (its
+handshake port on 0.0.0.0, its TCP data port on ``[::]``). So ``mooncake_master``,
+every server that uses it and their clients run inside a network namespace of
+their own that has only ``lo``: nothing listens on an interface of the host.
+
+The namespace is made with the system calls of ``unshare -n`` and ``nsenter``
+(unshare(2), setns(2); root, as CI is), each on a short-lived thread, so this
+process itself stays in the host's namespace: a child forked from a thread
+inside the namespace is born in it, and a socket made there belongs to it
+whichever thread uses it. An open descriptor keeps the namespace alive between
+calls (no holder process, no ``ip`` command: ``lo`` is brought up by ioctl).
+
+- ``Mooncake()``: a context manager: the namespace, ``mooncake_master`` on free
+  loopback ports in it (ready when its metrics endpoint answers), the SGLang
+  config file pointing at it; ``kill()`` and ``restart()`` for fault tests;
+  always stops every process it started (its process group), also on failure.
+- ``MooncakeServer``: a cpu-server ``Server`` (tests, bench) run in that
+  namespace, its HTTP client too.
+- ``server_env()``: what cpu-server adds for ``--hicache-storage-backend mooncake``.
+- ``hicache-async-ack mooncake-master [-- COMMAND ...]``: the same from a shell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import fcntl
+import importlib.util
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+
+from . import Server, free_port
+
+T = TypeVar("T")
+
+CLONE_NEWNET = 0x40000000
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+_IFREQ = "16sH22x"  # struct ifreq: name, flags, the rest of the union
+
+CONFIG_PATH_VAR = "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"
+# The whole store, split evenly over a server's ranks by SGLang. A plain byte
+# count: SGLang parses only a "gb" suffix ("256mb" fails).
+DEFAULT_SEGMENT_BYTES = 256 * 1024 * 1024
+MASTER_START_TIMEOUT_S = 60.0
+
+
+# --- the network namespace ------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)} (a private network namespace needs root)")
+
+
+def _bring_up_loopback() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        got = fcntl.ioctl(s.fileno(), _SIOCGIFFLAGS, struct.pack(_IFREQ, b"lo", 0))
+        flags = struct.unpack(_IFREQ, got)[1]
+        fcntl.ioctl(s.fileno(), _SIOCSIFFLAGS, struct.pack(_IFREQ, b"lo", flags | _IFF_UP))
+
+
+def interfaces() -> list[str]:
+    """Network interfaces of the calling thread's namespace."""
+    lines = Path("/proc/thread-self/net/dev").read_text().splitlines()[2:]
+    return sorted(line.split(":", 1)[0].strip() for line in lines)
+
+
+def only_loopback() -> bool:
+    return interfaces() == ["lo"]
+
+
+class NetNamespace:
+    """A new network namespace with only ``lo`` (up), held by a descriptor."""
+
+    def __init__(self) -> None:
+        self._fd: Optional[int] = None
+        self._fd = _on_thread(self._create)
+
+    @staticmethod
+    def _create() -> int:
+        _check(_libc.unshare(CLONE_NEWNET), "unshare(CLONE_NEWNET)")
+        _bring_up_loopback()
+        return os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+
+    @property
+    def fd(self) -> int:
+        if self._fd is None:
+            raise RuntimeError("the network namespace is closed")
+        return self._fd
+
+    @property
+    def path(self) -> str:
+        """For ``nsenter --net=PATH`` while this process lives."""
+        return f"/proc/{os.getpid()}/fd/{self.fd}"
+
+    def enter(self) -> None:
+        """Move the calling thread into the namespace (for good)."""
+        _check(_libc.setns(self.fd, CLONE_NEWNET), "setns(CLONE_NEWNET)")
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on a thread inside the namespace."""
+
+        def inside() -> T:
+            self.enter()
+            return fn(*args, **kwargs)
+
+        return _on_thread(inside)
+
+    def close(self) -> None:
+        # The namespace goes when the last process in it exits too.
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _on_thread(fn: Callable[[], T]) -> T:
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = exc
+
+    t = threading.Thread(target=run, name="hicache-netns", daemon=True)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+# --- the master -------------------------------------------------------------------
+
+
+def master_binary() -> Path:
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "Mooncake is not installed: pip install 'hicache-async-ack[test]' (or [bench]) "
+            "installs mooncake-transfer-engine-non-cuda; scripts/setup.sh also installs "
+            "its system libraries"
+        )
+    return Path(spec.origin).parent / "mooncake_master"
+
+
+class MasterFailed(RuntimeError):
+    """mooncake_master exited or its metrics endpoint did not answer in time."""
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float) -> None:
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        # The leader is reaped; anything else of its group goes with SIGKILL.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        break
+
+
+class Mooncake:
+    """``mooncake_master`` in a private network namespace, torn down on exit.
+
+    ``with Mooncake() as mc:`` then ``MooncakeServer(mc, args)``; ``mc.env()`` is
+    what a server needs to find the master (the SGLang config file's path).
+    """
+
+    def __init__(
+        self,
+        workdir: Optional[Path] = None,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        start_timeout_s: float = MASTER_START_TIMEOUT_S,
+    ):
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="hicache-mooncake-"))
+        self.segment_bytes = segment_bytes
+        self.start_timeout_s = start_timeout_s
+        self.ns: Optional[NetNamespace] = None
+        self.proc: Optional[subprocess.Popen] = None
+        self.rpc_port = 0
+        self.metrics_port = 0
+        self.starts = 0
+        self.startup_s: Optional[float] = None
+
+    # lifecycle
+
+    def __enter__(self) -> "Mooncake":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        try:
+            if self.ns is None:
+                self.workdir.mkdir(parents=True, exist_ok=True)
+                self.ns = NetNamespace()
+                self.rpc_port = self.ns.call(free_port)
+                self.metrics_port = self.ns.call(free_port)
+                self.config_path.write_text(json.dumps(self.config(), indent=1) + "\n")
+            self._start_master()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_master(self) -> None:
+        assert self.ns is not None
+        cmd = [
+            str(master_binary()),
+            "-rpc_address=127.0.0.1", f"-rpc_port={self.rpc_port}",
+            "-metrics_host=127.0.0.1", f"-metrics_port={self.metrics_port}",
+        ]  # fmt: skip
+        self.starts += 1
+        t0 = time.monotonic()
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {' '.join(cmd)}  # start {self.starts}\n".encode())
+            log.flush()
+            self.proc = self.ns.call(
+                subprocess.Popen, cmd, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        deadline = t0 + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise MasterFailed(f"mooncake_master exited with {self.proc.returncode}\n"
+                                   + self.log(30))  # fmt: skip
+            try:
+                self.metrics()
+                self.startup_s = time.monotonic() - t0
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise MasterFailed(f"mooncake_master not ready in {self.start_timeout_s:.0f} s\n"
+                           + self.log(30))  # fmt: skip
+
+    def kill(self) -> None:
+        """SIGKILL the master (a fault); the namespace and its servers stay."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(30)
+
+    def restart(self) -> None:
+        """A fresh master (empty store) on the same ports, in the same namespace."""
+        self.kill()
+        self._start_master()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.proc is not None:
+            _stop_group(self.proc, grace_s)
+        if self.ns is not None:
+            self.ns.close()
+            self.ns = None
+
+    # what servers need
+
+    @property
+    def config_path(self) -> Path:
+        return self.workdir / "mooncake.json"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "mooncake_master.log"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    def config(self) -> dict:
+        """SGLang's Mooncake config (read from the file named by CONFIG_PATH_VAR)."""
+        return {
+            "local_hostname": "127.0.0.1",
+            "metadata_server": "P2PHANDSHAKE",  # peers exchange metadata directly
+            "global_segment_size": self.segment_bytes,
+            "protocol": "tcp",
+            "device_name": "",
+            "master_server_address": self.address,
+            "master_metrics_port": self.metrics_port,
+            "check_server": False,
+        }
+
+    def env(self) -> dict[str, str]:
+        return {CONFIG_PATH_VAR: str(self.config_path)}
+
+    def metrics(self, timeout: float = 5.0) -> str:
+        """The master's Prometheus text (raises OSError when it does not answer)."""
+        assert self.ns is not None
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+        def get() -> bytes:
+            with urllib.request.urlopen(url, timeout=timeout) as r:
+                return r.read()
+
+        return self.ns.call(get).decode(errors="replace")
+
+    def log(self, tail: Optional[int] = None) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return ""
+        return "\n".join(lines[-tail:] if tail else lines)
+
+
+class MooncakeServer(Server):
+    """A cpu-server in the master's namespace; ``get``/``post``/``generate`` reach it
+    from there. Pass the cpu-server arguments with ``--hicache-storage-backend mooncake``."""
+
+    def __init__(self, mooncake: Mooncake, args: Sequence[str], env=None, **kwargs):
+        if mooncake.ns is None:
+            raise RuntimeError("start the Mooncake master first")
+        self.mooncake = mooncake
+        port = kwargs.pop("port", None) or mooncake.ns.call(free_port)
+        super().__init__(args, env={**mooncake.env(), **(env or {})}, port=port, **kwargs)
+
+    def _ns(self) -> NetNamespace:
+        if self.mooncake.ns is None:
+            raise RuntimeError("the Mooncake namespace is gone")
+        return self.mooncake.ns
+
+    def start(self) -> None:
+        self._ns().call(super().start)  # its processes are born in the namespace
+
+    def get(self, path: str, timeout: float = 60.0) -> bytes:
+        return self._ns().call(super().get, path, timeout)
+
+    def post(self, path: str, body: Optional[dict] = None, timeout: float = 120.0) -> bytes:
+        return self._ns().call(super().post, path, body, timeout)
+
+    def run(self, cmd: Sequence[str], **kwargs) -> subprocess.CompletedProcess:
+        """``subprocess.run(cmd)`` in the namespace (a client such as bench_serving)."""
+        return self._ns().call(subprocess.run, list(cmd), **kwargs)
+
+
+# --- cpu-server's settings --------------------------------------------------------
+
+
+def _storage_backend(args: Sequence[str]) -> Optional[str]:
+    value = None
+    for i, a in enumerate(args):
+        if a == "--hicache-storage-backend" and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith("--hicache-storage-backend="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def server_env(args: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
+    """What cpu-server sets for the Mooncake backend (never overriding the caller)."""
+    if _storage_backend(args) != "mooncake":
+        return {}
+    wanted = {
+        # A second, RDMA transfer engine TCP never uses would ask for a local IP.
+        "SGLANG_HICACHE_MOONCAKE_REUSE_TE": "0",
+        "SGLANG_HOST_IP": "127.0.0.1",
+    }
+    return {k: v for k, v in wanted.items() if k not in env}
+
+
+# --- hicache-async-ack mooncake-master --------------------------------------------
+
+SUMMARY = "run mooncake_master in a private network namespace (for cpu-server with Mooncake)"
+DESCRIPTION = """\
+Start mooncake_master on free loopback ports inside a new network namespace that
+has only lo (needs root), write SGLang's Mooncake config for it, and either run
+COMMAND in that namespace with SGLANG_HICACHE_MOONCAKE_CONFIG_PATH set (then stop
+the master), or keep the master up until interrupted and print how to enter the
+namespace. Mooncake's transfer engine listens on every interface, so the servers
+using it and their clients must run in the namespace too.
+
+  hicache-async-ack mooncake-master -- hicache-async-ack cpu-server --tp 2 \\
+      --enable-hierarchical-cache --hicache-storage-backend mooncake --port 30000
+"""
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("mooncake-master", help=SUMMARY, description=DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--segment-bytes", type=int, default=DEFAULT_SEGMENT_BYTES,
+                   help=f"the store's size, split over a server's ranks "
+                   f"(default {DEFAULT_SEGMENT_BYTES})")  # fmt: skip
+    p.add_argument("--workdir", help="config file and master log (default: a temp dir)")
+    p.add_argument("--info", metavar="FILE.json",
+                   help="write the master's address, config and namespace path here")  # fmt: skip
+    p.set_defaults(func=run, passthrough=True)
+    return p
+
+
+def run(args) -> int:
+    rest = list(args.rest)
+    command = rest[1:] if rest[:1] == ["--"] else rest
+
+    def say(msg: str) -> None:
+        print(f"hicache-async-ack mooncake-master: {msg}", file=sys.stderr, flush=True)
+
+    with Mooncake(Path(args.workdir) if args.workdir else None, args.segment_bytes) as mc:
+        assert mc.ns is not None and mc.proc is not None
+        mc.ns.enter()  # this process's main thread: /proc/PID/ns/net names the namespace
+        netns = f"/proc/{os.getpid()}/ns/net"
+        say(
+            f"master {mc.address} (metrics 127.0.0.1:{mc.metrics_port}) up in "
+            f"{mc.startup_s:.2f} s in a private network namespace (only lo); log {mc.log_path}"
+        )
+        say(f"{CONFIG_PATH_VAR}={mc.config_path}")
+        if args.info:
+            info = {"pid": os.getpid(), "netns": netns, "master": mc.address,
+                    "metrics_port": mc.metrics_port, "config_path": str(mc.config_path),
+                    "config": mc.config()}  # fmt: skip
+            Path(args.info).write_text(json.dumps(info, indent=1) + "\n")
+        if not command:
+            say(
+                f"enter it: {CONFIG_PATH_VAR}={mc.config_path} nsenter --net={netns} "
+                "hicache-async-ack cpu-server ... --hicache-storage-backend mooncake"
+            )
+            say(f"clients too: nsenter --net={netns} curl http://127.0.0.1:PORT/health")
+            while mc.alive():
+                time.sleep(0.5)
+            say(f"mooncake_master exited with {mc.proc.returncode}; see {mc.log_path}")
+            return 1
+        child = subprocess.Popen(command, env={**os.environ, **mc.env()}, start_new_session=True)
+        try:
+            return child.wait()
+        finally:
+            _stop_group(child, 30.0)
