@@ -24,8 +24,10 @@ from typing import Mapping, Optional, Sequence
 
 from .model import ensure_model
 from .settings import (
+    CPU_BREAK_COPIES_VAR,
     CPU_REDUCE_LATENCY_VAR,
     CPU_SKEW_VAR,
+    parse_cpu_break_copies,
     parse_cpu_reduce_latency_ms,
     parse_cpu_skew,
 )
@@ -34,14 +36,24 @@ from .standins import STANDINS
 BOOT_DIR = Path(__file__).resolve().parent / "boot"
 # A path that does not exist: PyNccl then stays off instead of asking for CUDA.
 NO_NCCL = "/nonexistent/hicache-async-ack/libnccl.so"
+# The bundled model's weights: "seeded" (model.safetensors, outputs that depend on
+# the cached KV) or SGLang's "dummy" (every logit ~0: replies that do not).
+WEIGHTS = {"seeded": "safetensors", "dummy": "dummy"}
 
 
-def default_args(model_path: Path) -> list[str]:
+def load_format(weights: str) -> str:
+    try:
+        return WEIGHTS[weights]
+    except KeyError:
+        raise ValueError(f"weights {weights!r}: expected one of {', '.join(WEIGHTS)}") from None
+
+
+def default_args(model_path: Path, weights: str = "seeded") -> list[str]:
     return [
         "--model-path", str(model_path),
         "--device", "cpu",
         "--dtype", "float32",
-        "--load-format", "dummy",
+        "--load-format", load_format(weights),
         "--attention-backend", "torch_native",
         "--hicache-io-backend", "direct",
         "--hicache-mem-layout", "layer_first",
@@ -75,6 +87,7 @@ def environment(
     base: Optional[Mapping[str, str]] = None,
     skew: Optional[str] = None,
     latency_ms: float = 0.0,
+    break_copies: Optional[str] = None,
 ) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     cores = os.cpu_count() or 1
@@ -95,12 +108,18 @@ def environment(
     if latency_ms:
         parse_cpu_reduce_latency_ms(str(latency_ms))
         env[CPU_REDUCE_LATENCY_VAR] = str(latency_ms)
+    if break_copies:
+        parse_cpu_break_copies(break_copies)
+        env[CPU_BREAK_COPIES_VAR] = break_copies
     return env
 
 
-def command(args: Sequence[str], model_path: Optional[Path] = None) -> list[str]:
+def command(
+    args: Sequence[str], model_path: Optional[Path] = None, weights: str = "seeded"
+) -> list[str]:
+    load_format(weights)  # a bad name fails before the model is built
     model = ensure_model(model_path)
-    return [sys.executable, "-m", "sglang.launch_server", *default_args(model), *args]
+    return [sys.executable, "-m", "sglang.launch_server", *default_args(model, weights), *args]
 
 
 def describe_standins() -> str:
@@ -134,10 +153,15 @@ class Server:
         latency_ms: float = 0.0,
         start_timeout_s: float = 600.0,
         wait: bool = True,
+        weights: str = "seeded",
+        break_copies: Optional[str] = None,
     ):
         self.port = port or free_port()
         self.args = [*args, "--host", "127.0.0.1", "--port", str(self.port)]
-        self.env = environment(self.args, {**os.environ, **(env or {})}, skew, latency_ms)
+        self.weights = weights
+        self.env = environment(
+            self.args, {**os.environ, **(env or {})}, skew, latency_ms, break_copies
+        )
         self.log_path = Path(log_path or f"/tmp/hicache-async-ack-server-{self.port}.log")
         self.start_timeout_s = start_timeout_s
         self.wait = wait
@@ -156,7 +180,7 @@ class Server:
         self.stop()
 
     def start(self) -> None:
-        cmd = command(self.args)
+        cmd = command(self.args, weights=self.weights)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             log.write(("$ " + " ".join(cmd) + "\n").encode())
@@ -238,11 +262,19 @@ class Server:
             return r.read()
 
     def generate(
-        self, text: str, max_new_tokens: int = 8, timeout: float = 300.0, **sampling
+        self,
+        text: str,
+        max_new_tokens: int = 8,
+        timeout: float = 300.0,
+        return_logprob: bool = False,
+        **sampling,
     ) -> dict:
-        """Greedy unless ``sampling`` says otherwise."""
+        """Greedy unless ``sampling`` says otherwise. ``return_logprob``: the reply's
+        ``meta_info["output_token_logprobs"]`` holds (logprob, token id, None) each."""
         params = {"max_new_tokens": max_new_tokens, "temperature": 0, **sampling}
-        body = {"text": text, "sampling_params": params}
+        body: dict = {"text": text, "sampling_params": params}
+        if return_logprob:
+            body["return_logprob"] = True
         return json.loads(self.post("/generate", body, timeout=timeout))
 
 

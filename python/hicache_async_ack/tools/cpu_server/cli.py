@@ -11,14 +11,20 @@ import argparse
 import os
 import sys
 
-from . import command, describe_standins, environment
+from . import WEIGHTS, bound, command, describe_standins, environment
 from .model import default_dir
-from .settings import parse_cpu_reduce_latency_ms, parse_cpu_skew
+from .settings import (
+    BREAK_MODES,
+    CPU_BREAK_COPIES_VAR,
+    parse_cpu_break_copies,
+    parse_cpu_reduce_latency_ms,
+    parse_cpu_skew,
+)
 
 SUMMARY = "run SGLang's real launch_server on this CPU-only host (tests, demos, bench)"
 DESCRIPTION = (
     "Start `python -m sglang.launch_server` with a bundled tiny model (2-layer Llama, "
-    "real BPE tokenizer, dummy weights) and CPU stand-ins for the GPU-only pieces on the "
+    "real BPE tokenizer, seeded weights) and CPU stand-ins for the GPU-only pieces on the "
     "HiCache path. Every argument not listed here is passed to launch_server after the "
     "CPU defaults (so it wins). Example: hicache-async-ack cpu-server --tp 2 "
     "--enable-hierarchical-cache --host 127.0.0.1 --port 30000"
@@ -36,6 +42,13 @@ def _skew(raw: str) -> str:
 def _latency(raw: str) -> float:
     try:
         return parse_cpu_reduce_latency_ms(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _break(raw: str) -> str:
+    try:
+        return parse_cpu_break_copies(raw)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -58,6 +71,24 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "the plugin's async reduces complete MS after issue (the seed's host: 3.2)",
     )
     p.add_argument(
+        "--cpu-weights",
+        choices=tuple(WEIGHTS),
+        default="seeded",
+        help="seeded (default): the model's seeded weights (model.safetensors), replies "
+        "that depend on the whole prompt and so on the KV a cache restores; dummy: "
+        "SGLang's --load-format dummy, every logit ~0 (replies ignore the cache)",
+    )
+    p.add_argument(
+        "--cpu-bound",
+        action="store_true",
+        help="measurement device: every HiCache collective answers with the rank's own "
+        "value (the zero-sync bound; needs the plugin off, refused with skew or latency)",
+    )
+    # Hidden: the negative control of the e2e correctness checks, never a user's mode.
+    p.add_argument(
+        "--cpu-break-copies", metavar="|".join(BREAK_MODES), type=_break, help=argparse.SUPPRESS
+    )
+    p.add_argument(
         "--cpu-model-dir",
         metavar="DIR",
         help=f"where the tiny model is built once (default {default_dir()})",
@@ -75,12 +106,30 @@ def run(args) -> int:
     from pathlib import Path
 
     rest = list(args.rest)
-    cmd = command(rest, Path(args.cpu_model_dir) if args.cpu_model_dir else None)
-    env = environment(cmd, skew=args.cpu_skew, latency_ms=args.cpu_reduce_latency_ms)
+    model_dir = Path(args.cpu_model_dir) if args.cpu_model_dir else None
+    cmd = command(rest, model_dir, weights=args.cpu_weights)
+    env = environment(
+        cmd,
+        skew=args.cpu_skew,
+        latency_ms=args.cpu_reduce_latency_ms,
+        break_copies=args.cpu_break_copies,
+    )
+    if args.cpu_bound:
+        env[bound.CPU_BOUND_VAR] = "1"
+        try:
+            bound.check(env)
+        except ValueError as exc:
+            print(f"hicache-async-ack cpu-server: {exc}", file=sys.stderr)
+            return 2
     shown = {k: env[k] for k in sorted(set(env) - set(os.environ) | {"PYTHONPATH"}) if k in env}
     print("hicache-async-ack cpu-server: CPU stand-ins (test support, never production):",
           file=sys.stderr)  # fmt: skip
     print(describe_standins(), file=sys.stderr)
+    print(f"  - weights: {args.cpu_weights}", file=sys.stderr)
+    if env.get(CPU_BREAK_COPIES_VAR):
+        mode = env[CPU_BREAK_COPIES_VAR]
+        print(f"  - KV copies BROKEN ON PURPOSE: {mode} (negative control: replies from "
+              "host or storage are wrong)", file=sys.stderr)  # fmt: skip
     if args.cpu_skew:
         print(f"  - skew: acks report done after {args.cpu_skew} polls per rank", file=sys.stderr)
     if args.cpu_reduce_latency_ms:

@@ -13,6 +13,12 @@ CPU_SKEW_VAR = "HICACHE_ASYNC_ACK_CPU_SKEW"
 # (the seed's B200 host: 3.2 ms): every blocking UnifiedRadixCache._all_reduce sleeps
 # this long first; the plugin's async reduces complete no earlier than this after issue.
 CPU_REDUCE_LATENCY_VAR = "HICACHE_ASYNC_ACK_CPU_REDUCE_LATENCY_MS"
+# HICACHE_ASYNC_ACK_CPU_BREAK_COPIES: break the stand-ins' KV copies ON PURPOSE, the
+# negative control of the end-to-end correctness checks (they must fail on it):
+# "noop" copies nothing (device <-> host, so storage hits too), "swap" writes the
+# right rows into the wrong buffers (K and V, and layers, swapped). Unset: real copies.
+CPU_BREAK_COPIES_VAR = "HICACHE_ASYNC_ACK_CPU_BREAK_COPIES"
+BREAK_MODES = ("noop", "swap")
 
 
 def parse_cpu_skew(raw: Optional[str]) -> tuple[int, ...]:
@@ -44,3 +50,15 @@ def parse_cpu_reduce_latency_ms(raw: Optional[str]) -> float:
             f"{CPU_REDUCE_LATENCY_VAR}={raw!r}: expected a number of milliseconds >= 0"
         )
     return ms
+
+
+def parse_cpu_break_copies(raw: Optional[str]) -> str:
+    """``"noop"`` / ``"swap"``; unset or empty -> "" (real copies). Bad input names both."""
+    if not raw:
+        return ""
+    if raw not in BREAK_MODES:
+        raise ValueError(
+            f"{CPU_BREAK_COPIES_VAR}={raw!r}: expected one of {', '.join(BREAK_MODES)} "
+            "(or unset for real copies)"
+        )
+    return raw

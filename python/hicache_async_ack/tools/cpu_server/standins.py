@@ -10,6 +10,14 @@ Skew mode (``HICACHE_ASYNC_ACK_CPU_SKEW``, env.py): on CPU every copy completes 
 once, so no rank ever sees an ack pending that is done on a peer. With skew,
 each ack's finish event reports done only after a per-rank number of polls,
 as a GPU host's streams do, so the MIN over ranks matters.
+
+Broken copies (``HICACHE_ASYNC_ACK_CPU_BREAK_COPIES``, settings.py): the negative
+control of the end-to-end correctness checks. Every KV copy between the device
+and host pools (backups, load-backs, and so what storage hits reach the device
+through) copies nothing (``noop``) or writes the right rows into the wrong buffers
+(``swap``: K and V, and layers, in each other's place).
+A server started so must answer re-sent prompts differently; the checks that
+compare replies must say so.
 """
 
 from __future__ import annotations
@@ -23,10 +31,12 @@ import sys
 import time
 from typing import Callable
 
-from . import mooncake_standins
+from . import bound, mooncake_standins
 from .settings import (
+    CPU_BREAK_COPIES_VAR,
     CPU_REDUCE_LATENCY_VAR,
     CPU_SKEW_VAR,
+    parse_cpu_break_copies,
     parse_cpu_reduce_latency_ms,
     parse_cpu_skew,
 )
@@ -75,6 +85,21 @@ def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_si
         dst[dst_idx.to(dst.device)] = src[src_idx.to(src.device)].to(dst.device)
 
 
+# Broken on purpose (the negative control; see the module docstring).
+def transfer_kv_noop(src_layers, dst_layers, src_indices, dst_indices, page_size) -> None:
+    """Copies nothing: dst keeps whatever its slots held."""
+
+
+def transfer_kv_swapped(src_layers, dst_layers, src_indices, dst_indices, page_size) -> None:
+    """Right rows, wrong buffers: the copy's buffer list reversed (K into V and V into K,
+    layer into layer). Rows permuted within one prefix would not do: attention over a
+    set of (K, V) pairs is the same in any order, RoPE being already in K."""
+    transfer_kv_direct(src_layers, list(dst_layers)[::-1], src_indices, dst_indices, page_size)
+
+
+TRANSFERS = {"": transfer_kv_direct, "noop": transfer_kv_noop, "swap": transfer_kv_swapped}
+
+
 _LIBRARY = None
 
 
@@ -94,7 +119,11 @@ def _register_ops(_module=None) -> None:
         "transfer_kv_direct(Tensor[] src_layers, Tensor(a!)[] dst_layers, Tensor src_indices, "
         "Tensor dst_indices, int page_size) -> ()"
     )
-    lib.impl("transfer_kv_direct", transfer_kv_direct, "CPU")
+    mode = parse_cpu_break_copies(os.environ.get(CPU_BREAK_COPIES_VAR))
+    lib.impl("transfer_kv_direct", TRANSFERS[mode], "CPU")
+    if mode:
+        logger.warning("cpu-server: KV copies BROKEN ON PURPOSE (%s=%s)", CPU_BREAK_COPIES_VAR,
+                       mode)  # fmt: skip
     _LIBRARY = lib
 
 
@@ -218,10 +247,9 @@ def _delay_plugin_reduces(module) -> None:
     latency = _latency_s()
     if not latency:
         return
-    from ..collectives import delayed
+    from ...sim.collectives import delayed
 
-    base = module.collective_factory
-    module.collective_factory = lambda group: delayed(base(group), lambda: latency)
+    module.use_async_min(lambda base: lambda group: delayed(base(group), lambda: latency))
 
 
 # --- post-import patching ---------------------------------------------------------
@@ -233,9 +261,10 @@ PATCHES: dict[str, Callable] = {
     "sglang.srt.mem_cache.pool_host.mha": _patch_host_pool_mha,
     "sglang.srt.managers.cache_controller": _patch_cache_controller,
     "sglang.srt.mem_cache.unified_radix_cache": _delay_stock_all_reduce,
-    "hicache_async_ack.ack_sync": _delay_plugin_reduces,
+    "hicache_async_ack.adapter": _delay_plugin_reduces,
 }
 mooncake_standins.register(PATCHES, STANDINS)  # the Mooncake backend's two direct ops
+bound.register(PATCHES, STANDINS)  # the zero-sync bound, only with --cpu-bound
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -271,6 +300,7 @@ def install() -> None:
         return
     parse_cpu_skew(os.environ.get(CPU_SKEW_VAR))  # fail at start, not at the first ack
     parse_cpu_reduce_latency_ms(os.environ.get(CPU_REDUCE_LATENCY_VAR))
+    parse_cpu_break_copies(os.environ.get(CPU_BREAK_COPIES_VAR))
     if "sgl_kernel" in sys.modules:
         raise RuntimeError("cpu-server stand-ins must be installed before sgl_kernel is imported")
     sys.meta_path.insert(0, _PatchingFinder())
