@@ -1,16 +1,31 @@
-"""``hicache-async-ack bench-server``: plugin vs stock on SGLang's real server.
+"""``hicache-async-ack bench-server``: the seed's arms on SGLang's real server.
 
-Each arm is a real ``launch_server`` on this CPU-only host (``cpu-server``),
-driven by SGLang's own ``python -m sglang.bench_serving`` with the
-``generated-shared-prefix`` dataset: groups of requests share a long system
-prompt, so prefixes are cached, evicted to the host pool and loaded back. The
-arms differ only in ``SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC``. With
-``--latency-ms`` the servers model a host whose gloo all_reduce is slow (the
-seed's B200 host: 3.2 ms), inside the server processes.
+Each arm is a real ``launch_server`` on this CPU-only host (``cpu-server``):
 
-One server per (arm, latency), ``--runs`` bench_serving runs on it (the cache
-flushed before each), arms in ABBA order across latencies so a drift of the
-box's load does not favour one arm.
+- ``l1``: the same server without ``--enable-hierarchical-cache`` (no host pool);
+- ``stock``: L2 (HiCache), SGLang's blocking ack-count all_reduce;
+- ``plugin``: L2 with the plugin pipelining it;
+- ``bound``: L2 with every HiCache collective answered by the rank's own value
+  (cpu-server's ``--cpu-bound``: valid because on CPU without skew every rank's
+  counts are equal; a measurement device, never a mode a server can be put in).
+
+``--latency-ms`` models a host whose gloo all_reduce is slow (the seed's B200 host:
+3.2 ms) inside the L2 servers; l1 and the bound have no HiCache collective, so one
+measurement of each stands for every latency.
+
+Workloads: ``gsp`` (the quick default), bench_serving's generated-shared-prefix;
+``multiturn``, the seed's shape: ``--lanes`` concurrent conversations x ``--turns``
+turns, each turn the whole history plus a new question, replayed by bench_serving
+over the chat API with the server's real replies (``multiturn.py``). A list of
+``--lanes`` is a sweep.
+
+Rounds: every round starts every arm's server afresh (an idle server's scheduler
+spins on a core, so two cannot wait side by side on 2 cores, and a fresh start
+each round puts the server-to-server spread into the interval instead of hiding
+it), in an order that reverses from one round to the next (``stats.round_order``:
+a linear drift of the box's load cancels in every ratio). Ratios are taken per
+round; each is printed with its 95% interval and a verdict on its claim, which is
+"inconclusive" where the interval spans the claim's threshold.
 """
 
 from __future__ import annotations
@@ -18,263 +33,241 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
-from ... import __version__
 from ...env import ENABLE_VAR
 from ..options import ToolError, int_in
-from .driver import _parse_list, save, versions
-from .summary import _fmt, _pct, render
+from . import multiturn
+from .driver import parse_list, save, versions
+from .server_report import configs, draw_png, print_report, ratios
 
-ARMS = ("stock", "plugin")
-ARM_ENV = {"stock": {ENABLE_VAR: "0"}, "plugin": {ENABLE_VAR: "1"}}
-# What bench_serving reports that the table shows: (key in its JSON, column).
+ARMS = ("l1", "stock", "plugin", "bound")
+DEFAULT_ARMS = ("stock", "plugin")
+WORKLOADS = ("gsp", "multiturn")
 FIGURES = (
     ("request_throughput", "req/s"),
     ("output_throughput", "out tok/s"),
     ("median_ttft_ms", "TTFT p50 ms"),
-    ("p99_ttft_ms", "TTFT p99 ms"),
     ("median_itl_ms", "ITL p50 ms"),
-    ("p99_itl_ms", "ITL p99 ms"),
 )
 BENCH_TIMEOUT_S = 900.0  # one bench_serving run; a stuck server fails the arm
+BOUND_MARK = "ZERO-SYNC BOUND"  # bound.py's start-up warning, once per scheduler
 
 
-def server_args(cfg: dict) -> list[str]:
-    return [
-        "--tp", str(cfg["tp"]), "--enable-hierarchical-cache", "--enable-metrics",
-        "--max-total-tokens", str(cfg["max_total_tokens"]),
-        "--hicache-ratio", str(cfg["hicache_ratio"]),
-        *cfg["server_args"],
-    ]  # fmt: skip
+def arm_env(arm: str) -> dict[str, str]:
+    from ..cpu_server.bound import CPU_BOUND_VAR
+
+    if arm == "plugin":
+        return {ENABLE_VAR: "1"}
+    if arm == "bound":
+        return {ENABLE_VAR: "0", CPU_BOUND_VAR: "1"}
+    return {ENABLE_VAR: "0"}
 
 
-def bench_serving_cmd(cfg: dict, port: int, model: Path, out: Path, seed: int) -> list[str]:
-    cmd = [
-        sys.executable, "-m", "sglang.bench_serving",
-        "--backend", "sglang", "--host", "127.0.0.1", "--port", str(port),
-        "--model", str(model), "--tokenizer", str(model),
-        "--dataset-name", "generated-shared-prefix",
-        "--gsp-num-groups", str(cfg["num_groups"]),
-        "--gsp-prompts-per-group", str(cfg["prompts_per_group"]),
-        "--gsp-system-prompt-len", str(cfg["system_prompt_len"]),
-        "--gsp-question-len", str(cfg["question_len"]),
-        "--gsp-output-len", str(cfg["output_len"]),
-        "--request-rate", str(cfg["request_rate"]),
-        "--flush-cache", "--disable-tqdm", "--seed", str(seed),
-        "--output-file", str(out),
-    ]  # fmt: skip
+def server_args(cfg: dict, arm: str) -> list[str]:
+    args = [
+        "--tp",
+        str(cfg["tp"]),
+        "--enable-metrics",
+        "--max-total-tokens",
+        str(cfg["max_total_tokens"]),
+    ]
+    if arm != "l1":
+        args += ["--enable-hierarchical-cache", "--hicache-ratio", str(cfg["hicache_ratio"])]
+    if cfg["workload"] == "multiturn":
+        args += ["--chat-template", multiturn.CHAT_TEMPLATE]
+    return [*args, *cfg["server_args"]]
+
+
+def gsp_args(cfg: dict, port: int, model: Path, out: Path, seed: int) -> list[str]:
+    """bench_serving's argv (without the interpreter) for one generated-shared-prefix run."""
+    args = [
+        "--backend",
+        "sglang",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        str(model),
+        "--tokenizer",
+        str(model),
+        "--dataset-name",
+        "generated-shared-prefix",
+        "--gsp-num-groups",
+        str(cfg["num_groups"]),
+        "--gsp-prompts-per-group",
+        str(cfg["prompts_per_group"]),
+        "--gsp-system-prompt-len",
+        str(cfg["system_prompt_len"]),
+        "--gsp-question-len",
+        str(cfg["question_len"]),
+        "--gsp-output-len",
+        str(cfg["output_len"]),
+        "--request-rate",
+        str(cfg["request_rate"]),
+        "--cache-report",
+        "--flush-cache",
+        "--disable-tqdm",
+        "--seed",
+        str(seed),
+        "--output-file",
+        str(out),
+    ]
     if cfg["max_concurrency"]:
-        cmd += ["--max-concurrency", str(cfg["max_concurrency"])]
-    return cmd
+        args += ["--max-concurrency", str(cfg["max_concurrency"])]
+    return args
 
 
-def run_bench_serving(cmd: list[str], log: Path) -> dict:
-    out = Path(cmd[cmd.index("--output-file") + 1])
+def run_client(argvs: list[list[str]], workdir: Path, name: str) -> tuple[list[dict], list[dict]]:
+    """bench_serving once per argv, in one interpreter; its results and load averages."""
+    spec, loads = workdir / f"client-{name}.json", workdir / f"load-{name}.json"
+    spec.write_text(json.dumps(argvs))
+    log = workdir / f"bench-{name}.log"
+    cmd = [sys.executable, "-m", "hicache_async_ack.tools.bench.multiturn", str(spec), str(loads)]
     with open(log, "ab") as f:
-        rc = subprocess.run(
-            cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            timeout=BENCH_TIMEOUT_S,
-        ).returncode  # fmt: skip
-    if rc != 0 or not out.exists():
+        proc = subprocess.Popen(
+            cmd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            rc = proc.wait(BENCH_TIMEOUT_S * len(argvs))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            rc = -9
+    outs = [Path(a[a.index("--output-file") + 1]) for a in argvs]
+    if rc != 0 or not all(o.exists() for o in outs):
         tail = log.read_text(errors="replace").splitlines()[-30:]
         raise ToolError(f"bench_serving failed (exit {rc}); its log {log}:\n" + "\n".join(tail))
-    return json.loads(out.read_text().strip().splitlines()[-1])
+    results = [json.loads(o.read_text().strip().splitlines()[-1]) for o in outs]
+    return results, json.loads(loads.read_text())
 
 
 def plugin_state(server) -> dict:
     """What the server's own /metrics says about the ack sync, summed over ranks."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    pipelined, popped = [], 0.0
+    state = {"pipelined_ranks": 0.0, "popped_entries": 0.0, "wait_s": 0.0, "waits": 0.0}
+    names = {
+        "sglang:hicache_ack_sync_pipelined": "pipelined_ranks",
+        "sglang:hicache_ack_sync_popped_entries_total": "popped_entries",
+        "sglang:hicache_ack_sync_wait_seconds_sum": "wait_s",
+        "sglang:hicache_ack_sync_wait_seconds_count": "waits",
+    }
     for family in text_string_to_metric_families(server.get("/metrics").decode()):
         for s in family.samples:
-            if s.name == "sglang:hicache_ack_sync_pipelined":
-                pipelined.append(s.value)
-            elif s.name == "sglang:hicache_ack_sync_popped_entries_total":
-                popped += s.value
-    return {"pipelined_ranks": int(sum(pipelined)), "popped_entries": popped}
+            if s.name in names:
+                state[names[s.name]] += s.value
+    state["pipelined_ranks"] = int(state["pipelined_ranks"])
+    return state
 
 
-def run_arm(cfg: dict, arm: str, latency_ms: float, workdir: Path, quiet: bool) -> dict:
+def visit(cfg: dict, conf: tuple, rnd: int, workdir: Path, quiet: bool) -> dict:
+    """Start ``conf``'s server afresh, run ``--runs`` bench_serving runs, stop it."""
     from ..cpu_server import Server
     from ..cpu_server.model import ensure_model
 
+    arm, latency_ms, lanes = conf
     model = ensure_model()
-    name = f"{arm}-{latency_ms:g}ms"
+    name = f"{arm}-{latency_ms:g}ms" + (f"-{lanes}lanes" if lanes else "") + f"-r{rnd}"
+    load_start = os.getloadavg()
     server = Server(
-        server_args(cfg),
-        env=ARM_ENV[arm],
-        log_path=workdir / f"server-{name}.log",
+        server_args(cfg, arm),
+        env=arm_env(arm),
         latency_ms=latency_ms,
+        log_path=workdir / f"server-{name}.log",
         start_timeout_s=cfg["start_timeout_s"],
     )
-    runs = []
     t0 = time.monotonic()
     with server:
-        if not quiet:
-            print(f"[{name}] server up in {server.startup_s:.0f} s", file=sys.stderr)
+        argvs = []
         for r in range(cfg["runs"]):
             out = workdir / f"bench-{name}-{r}.jsonl"
-            cmd = bench_serving_cmd(cfg, server.port, model, out, cfg["seed"] + r)
-            result = run_bench_serving(cmd, workdir / f"bench-{name}.log")
-            runs.append({key: result.get(key) for key, _ in FIGURES} | {
-                "completed": result.get("completed"),
-                "duration": result.get("duration"),
-            })  # fmt: skip
-            if not quiet:
-                print(
-                    f"[{name}] run {r + 1}/{cfg['runs']}: "
-                    f"{result.get('output_throughput', 0):.1f} output tok/s",
-                    file=sys.stderr,
-                )
-        state = plugin_state(server)
+            seed = cfg["seed"] + r
+            if cfg["workload"] == "multiturn":
+                trace = multiturn.write_trace(workdir / f"trace-{name}-{r}.json", cfg, lanes, seed)
+                argvs.append(multiturn.bench_args(cfg, server.port, model, trace, lanes, out))
+            else:
+                argvs.append(gsp_args(cfg, server.port, model, out, seed))
+        results, loads = run_client(argvs, workdir, name)
+        state = plugin_state(server) if arm != "l1" else {"pipelined_ranks": 0}
+    check_arm(cfg, arm, state, server, name)
+    runs = [
+        {key: res.get(key) for key, _ in FIGURES}
+        | {
+            "completed": res.get("completed"),
+            "duration": res.get("duration"),
+            "host_share": multiturn.host_share(res),
+            "cache_report": res.get("cache_report"),
+        }
+        | load
+        for res, load in zip(results, loads)
+    ]
+    tputs = [float(x["output_throughput"]) for x in runs if x["output_throughput"]]
+    rec = {
+        "arm": arm,
+        "latency_ms": latency_ms,
+        "lanes": lanes,
+        "round": rnd,
+        "startup_s": server.startup_s,
+        "wall_s": time.monotonic() - t0,
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+        "output_throughput": sum(tputs) / len(tputs) if tputs else None,
+        "runs": runs,
+        **state,
+    }
+    if not quiet:
+        share = [x["host_share"] for x in runs if x["host_share"] is not None]
+        print(
+            f"[round {rnd + 1}] {name}: {rec['output_throughput'] or 0:.1f} out tok/s"
+            + (f", host hits {100 * share[0]:.0f}% of prompt tokens" if share else "")
+            + f", load {load_start[0]:.1f} -> {rec['loadavg_end'][0]:.1f}",
+            file=sys.stderr,
+        )
+    return rec
+
+
+def check_arm(cfg: dict, arm: str, state: dict, server, name: str) -> None:
+    """A run is reported under its arm only if the server really ran that arm."""
     expected = cfg["tp"] if arm == "plugin" else 0
     if state["pipelined_ranks"] != expected:
         raise ToolError(
-            f"{name}: {state['pipelined_ranks']} ranks pipelined, expected {expected}; "
-            f"see {server.log_path}"
+            f"{name}: {state['pipelined_ranks']} ranks pipelined, expected "
+            f"{expected}; see {server.log_path}"
         )
-    return {
-        "arm": arm,
-        "latency_ms": latency_ms,
-        "startup_s": server.startup_s,
-        "wall_s": time.monotonic() - t0,
-        "runs": runs,
-        "median": medians(runs),
-        **state,
-    }
-
-
-def medians(runs: list[dict]) -> dict[str, float]:
-    out = {}
-    for key, _ in FIGURES:
-        values = [float(r[key]) for r in runs if r[key] is not None]
-        if values:
-            out[key] = statistics.median(values)
-    return out
-
-
-def order(arms: tuple[str, ...], latencies: tuple[float, ...]) -> list[tuple[str, float]]:
-    """ABBA: the arm that goes first alternates from one latency to the next."""
-    out = []
-    for i, lat in enumerate(latencies):
-        out += [(a, lat) for a in (arms if i % 2 == 0 else arms[::-1])]
-    return out
-
-
-def relative(results: list[dict]) -> None:
-    """Output throughput vs stock at the same latency, and vs the arm at 0 ms."""
-    by = {(r["arm"], r["latency_ms"]): r["median"].get("output_throughput") for r in results}
-    for r in results:
-        own = r["median"].get("output_throughput")
-        stock = by.get(("stock", r["latency_ms"]))
-        base = by.get((r["arm"], 0.0))
-        r["vs_stock"] = own / stock if own and stock else None
-        r["vs_own_no_latency"] = own / base if own and base else None
-
-
-def format_table(results: list[dict]) -> str:
-    head = ("arm", "latency", *(col for _, col in FIGURES), "vs stock", "vs own 0 ms", "runs")
-    rows: list[tuple[str, ...]] = [head]
-    for r in results:
-        m = r["median"]
-        spread = [x["output_throughput"] for x in r["runs"] if x["output_throughput"]]
-        rows.append(
-            (
-                r["arm"],
-                f"{r['latency_ms']:g} ms",
-                *(_fmt(m.get(key), ".2f") for key, _ in FIGURES),
-                _pct(r["vs_stock"], ".1f"),
-                _pct(r["vs_own_no_latency"], ".1f"),
-                f"{min(spread):.0f}-{max(spread):.0f}" if spread else "-",
-            )
+    marks = server.log().count(BOUND_MARK)
+    if (arm == "bound") != (marks > 0):
+        raise ToolError(
+            f"{name}: the zero-sync bound {'missing' if arm == 'bound' else 'on'}"
+            f" ({marks} start-up marks); see {server.log_path}"
         )
-    return render(rows)
-
-
-def draw_png(path: Path, results: list[dict], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from .plot import color
-
-    latencies = sorted({r["latency_ms"] for r in results})
-    arms = [a for a in ARMS if any(r["arm"] == a for r in results)]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    width = 0.8 / len(arms)
-    for j, arm in enumerate(arms):
-        for i, lat in enumerate(latencies):
-            r = next((x for x in results if x["arm"] == arm and x["latency_ms"] == lat), None)
-            if r is None:
-                continue
-            x = i + (j - (len(arms) - 1) / 2) * width
-            c = color("blocking" if arm == "stock" else "pipelined")
-            ax.bar(x, r["median"].get("output_throughput", 0), width, color=c,
-                   label=arm if i == 0 else None)  # fmt: skip
-            pts = [run["output_throughput"] for run in r["runs"]]
-            ax.plot([x] * len(pts), pts, "k.", markersize=4)
-    ax.set_xticks(range(len(latencies)), [f"{lat:g} ms injected" for lat in latencies])
-    ax.set_ylabel("output tokens/s (median of runs; dots: each run)")
-    ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def title_of(cfg: dict) -> str:
-    return (
-        f"real server, TP={cfg['tp']}, bench_serving generated-shared-prefix "
-        f"{cfg['num_groups']}x{cfg['prompts_per_group']} (system {cfg['system_prompt_len']}, "
-        f"question {cfg['question_len']}, output {cfg['output_len']} tokens), "
-        f"{cfg['runs']} runs per arm"
-    )
-
-
-def config_of(args) -> dict:
-    return {
-        k: getattr(args, k)
-        for k in (
-            "tp", "runs", "num_groups", "prompts_per_group", "system_prompt_len",
-            "question_len", "output_len", "request_rate", "max_concurrency",
-            "max_total_tokens", "hicache_ratio", "seed", "start_timeout_s",
-        )
-    } | {
-        "arms": list(args.arms),
-        "latencies_ms": list(args.latency_ms),
-        "server_args": list(args.server_arg),
-    }  # fmt: skip
 
 
 def run(args) -> int:
     cfg = config_of(args)
+    if "bound" in cfg["arms"] and any("skew" in a for a in cfg["server_args"]):
+        raise ToolError("the bound arm is only valid without skew (every rank's counts equal)")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hicache-bench-server-"))
     workdir.mkdir(parents=True, exist_ok=True)
     load_at_start = os.getloadavg()
-    results = [
-        run_arm(cfg, arm, lat, workdir, args.quiet)
-        for arm, lat in order(tuple(args.arms), tuple(args.latency_ms))
-    ]
-    results.sort(key=lambda r: (r["latency_ms"], ARMS.index(r["arm"])))
-    relative(results)
-    print(f"hicache-async-ack bench-server {__version__}: {title_of(cfg)}")
-    print(
-        f"host: {os.cpu_count()} CPUs, load average {load_at_start[0]:.2f} at start "
-        "(other work on the box skews every figure); logs in " + str(workdir)
-    )
-    print(format_table(results))
-    startups = [r["startup_s"] for r in results if r["startup_s"]]
-    if startups:
-        print(f"server start-up: {min(startups):.0f}-{max(startups):.0f} s")
+    t0 = time.monotonic()
+    visits = []
+    for rnd, order in enumerate(rounds_of(cfg)):
+        for conf in order:
+            visits.append(visit(cfg, conf, rnd, workdir, args.quiet))
+            with open(workdir / "visits.jsonl", "a") as f:  # survives a failed later visit
+                f.write(json.dumps(visits[-1]) + "\n")
+    table = ratios(cfg, visits)
+    print_report(cfg, visits, table, load_at_start, os.getloadavg(), time.monotonic() - t0, workdir)
     record = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "kind": "server",
@@ -283,10 +276,52 @@ def run(args) -> int:
         "cpu_count": os.cpu_count(),
         "loadavg_start": load_at_start,
         "loadavg_end": os.getloadavg(),
-        "results": results,
+        "wall_s": time.monotonic() - t0,
+        "visits": visits,
+        "ratios": table,
     }
-    save(args, record, "bench-server", lambda png: draw_png(png, results, title_of(cfg)))
+    save(args, record, "bench-server", lambda png: draw_png(png, cfg, visits, table))
     return 0
+
+
+def rounds_of(cfg: dict) -> list[list[tuple]]:
+    from .stats import round_order
+
+    return round_order(configs(cfg), cfg["rounds"])
+
+
+def config_of(args) -> dict:
+    cfg = {
+        k: getattr(args, k)
+        for k in (
+            "tp",
+            "rounds",
+            "runs",
+            "workload",
+            "num_groups",
+            "prompts_per_group",
+            "system_prompt_len",
+            "question_len",
+            "output_len",
+            "request_rate",
+            "max_concurrency",
+            "turns",
+            "system_words",
+            "question_words",
+            "max_total_tokens",
+            "hicache_ratio",
+            "seed",
+            "start_timeout_s",
+        )
+    } | {
+        "arms": list(args.arms),
+        "latencies_ms": list(args.latency_ms),
+        "lanes": list(args.lanes) if args.workload == "multiturn" else [None],
+        "server_args": list(args.server_arg),
+    }
+    if cfg["hicache_ratio"] is None:
+        cfg["hicache_ratio"] = 8.0 if args.workload == "multiturn" else 4.0
+    return cfg
 
 
 def _latencies(raw: str) -> tuple[float, ...]:
@@ -296,7 +331,7 @@ def _latencies(raw: str) -> tuple[float, ...]:
             raise ValueError(f"{x!r} is not a latency")
         return v
 
-    values = _parse_list("--latency-ms", raw, item, "numbers >= 0 (ms), comma-separated")
+    values = parse_list("--latency-ms", raw, item, "numbers >= 0 (ms), comma-separated")
     return tuple(dict.fromkeys(values))
 
 
@@ -307,44 +342,99 @@ def _arms(raw: str) -> tuple[str, ...]:
         return x.lower()
 
     accepted = f"a comma-separated list of {', '.join(ARMS)}"
-    return tuple(dict.fromkeys(_parse_list("--arms", raw, item, accepted)))
+    return tuple(dict.fromkeys(parse_list("--arms", raw, item, accepted)))
 
 
-SUMMARY = "plugin vs stock on SGLang's real server (cpu-server), driven by bench_serving"
+def _lanes(raw: str) -> tuple[int, ...]:
+    def item(x: str) -> int:
+        v = int(x)
+        if v < 1:
+            raise ValueError(f"{x!r} is below 1")
+        return v
+
+    return tuple(dict.fromkeys(parse_list("--lanes", raw, item, "integers >= 1, e.g. 4,8,16")))
+
+
+SUMMARY = "the seed's arms (l1, stock, plugin, bound) on SGLang's real server (cpu-server)"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("bench-server", help=SUMMARY, description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = sub.add_parser(
+        "bench-server",
+        help=SUMMARY,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--tp", type=int_in("--tp", 1, 8), default=2, help="TP ranks (default 2)")
     p.add_argument(
-        "--runs",
-        type=int_in("--runs", 1),
-        default=3,
-        help="bench_serving runs per arm (default 3; the table shows medians)",
+        "--arms",
+        type=_arms,
+        default=DEFAULT_ARMS,
+        help=f"comma-separated, of {', '.join(ARMS)} (default stock,plugin)",
     )
-    p.add_argument("--arms", type=_arms, default=ARMS, help="stock,plugin (default both)")
     p.add_argument(
         "--latency-ms",
         type=_latencies,
-        default=(0.0, 3.0),
-        help="injected latency per HiCache all_reduce inside the servers, one "
-        "server per arm and value (default 0,3)",
+        default=(0.0, 3.2),
+        help="injected latency per HiCache all_reduce inside the L2 servers "
+        "(default 0,3.2: the seed's B200 host)",
     )
-    p.add_argument("--num-groups", type=int_in("--num-groups", 1), default=8)
-    p.add_argument("--prompts-per-group", type=int_in("--prompts-per-group", 1), default=8)
-    p.add_argument("--system-prompt-len", type=int_in("--system-prompt-len", 1), default=128)
-    p.add_argument("--question-len", type=int_in("--question-len", 1), default=32)
-    p.add_argument("--output-len", type=int_in("--output-len", 1), default=16)
-    p.add_argument("--request-rate", default="inf", help="bench_serving's (default inf)")
-    p.add_argument("--max-concurrency", type=int_in("--max-concurrency", 1), default=None)
+    p.add_argument(
+        "--rounds",
+        type=int_in("--rounds", 1),
+        default=3,
+        help="rounds; every arm once per round, order reversed each round; "
+        "an interval needs 2, a useful one 5+ (default 3)",
+    )
+    p.add_argument(
+        "--runs",
+        type=int_in("--runs", 1),
+        default=1,
+        help="bench_serving runs per arm per round, averaged (default 1)",
+    )
+    p.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="gsp",
+        help="gsp: generated-shared-prefix (quick, default); multiturn: the "
+        "seed's N lanes x M turns",
+    )
+    g = p.add_argument_group("gsp workload")
+    g.add_argument("--num-groups", type=int_in("--num-groups", 1), default=8)
+    g.add_argument("--prompts-per-group", type=int_in("--prompts-per-group", 1), default=8)
+    g.add_argument("--system-prompt-len", type=int_in("--system-prompt-len", 1), default=128)
+    g.add_argument("--question-len", type=int_in("--question-len", 1), default=32)
+    g.add_argument("--request-rate", default="inf", help="bench_serving's (default inf)")
+    g.add_argument("--max-concurrency", type=int_in("--max-concurrency", 1), default=None)
+    m = p.add_argument_group("multiturn workload")
+    m.add_argument(
+        "--lanes",
+        type=_lanes,
+        default=(8,),
+        help="concurrent conversations; a list (4,8,16,32) is a sweep (default 8)",
+    )
+    m.add_argument("--turns", type=int_in("--turns", 1), default=6, help="default 6")
+    m.add_argument("--system-words", type=int_in("--system-words", 1), default=60)
+    m.add_argument("--question-words", type=int_in("--question-words", 1), default=15)
+    p.add_argument(
+        "--output-len",
+        type=int_in("--output-len", 1),
+        default=16,
+        help="tokens per reply (default 16)",
+    )
     p.add_argument(
         "--max-total-tokens",
         type=int_in("--max-total-tokens", 64),
         default=512,
         help="device KV pool (default 512: small, so prefixes go to host)",
     )
-    p.add_argument("--hicache-ratio", type=float, default=4.0)
+    p.add_argument(
+        "--hicache-ratio",
+        type=float,
+        default=None,
+        help="host pool / device pool (default 4 for gsp; 8 for multiturn, so "
+        "the host holds every lane's history)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--server-arg",
@@ -356,7 +446,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--start-timeout-s", type=float, default=900.0)
     p.add_argument("--workdir", help="server and bench_serving logs (default: a temp dir)")
-    p.add_argument("--out", metavar="FILE.jsonl", help="append one JSON object per run")
+    p.add_argument("--out", metavar="FILE.jsonl", help="append one JSON object per invocation")
     p.add_argument("--png", metavar="FILE")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=run)
