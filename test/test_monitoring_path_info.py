@@ -1,0 +1,202 @@
+"""The path-info series (path_info.py) in SGLang's multiprocess layout: one series
+per rank and sync at 1, the replaced combination at 0 after a change of path,
+bounded reason codes, created through the cache's collector classes, never
+raising. Each case runs in fresh interpreters: prometheus_client's registry and
+the multiprocess files are per process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+PUBLISH = """
+from hicache_async_ack import path_info
+labels = dict(cache_type="UnifiedRadixCache", tp_rank={rank}, pp_rank=0, dp_rank=0)
+{body}
+"""
+
+READ = """
+import json
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
+reg = CollectorRegistry()
+MultiProcessCollector(reg, path={path!r})
+out = []
+for fam in text_string_to_metric_families(generate_latest(reg).decode()):
+    out += [[s.name, s.labels, s.value] for s in fam.samples]
+print(json.dumps(out))
+"""
+
+
+def _py(code: str, prom_dir) -> str:
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(prom_dir))
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def _rank(prom_dir, rank: int, body: str) -> str:
+    return _py(PUBLISH.format(rank=rank, body=textwrap.dedent(body)), prom_dir)
+
+
+def _exposition(prom_dir) -> list:
+    import json
+
+    return json.loads(_py(READ.format(path=str(prom_dir)), prom_dir))
+
+
+def _info(samples) -> dict:
+    return {
+        (s[1]["tp_rank"], s[1]["sync"], s[1]["path"], s[1]["reason"]): s[2]
+        for s in samples
+        if s[0] == "sglang:hicache_sync_path_info"
+    }
+
+
+def test_one_series_per_rank_and_sync_at_1(tmp_path):
+    for rank in (0, 1):
+        _rank(
+            tmp_path,
+            rank,
+            """
+            assert path_info.publish("ack_counts", "pipelined", "pipelined", labels)
+            assert path_info.publish("prefetch_votes", "blocking", "no_storage", labels)
+            assert path_info.publish("decode_offload", "off", "untested_release", labels)
+            """,
+        )
+    info = _info(_exposition(tmp_path))
+    assert info == {
+        (r, *k): 1.0
+        for r in ("0", "1")
+        for k in (
+            ("ack_counts", "pipelined", "pipelined"),
+            ("prefetch_votes", "blocking", "no_storage"),
+            ("decode_offload", "off", "untested_release"),
+        )
+    }, info
+
+
+def test_a_change_of_path_leaves_the_old_one_at_0(tmp_path):
+    _rank(
+        tmp_path,
+        0,
+        """
+        path_info.publish("ack_counts", "pipelined", "pipelined", labels)
+        path_info.publish("ack_counts", "blocking", "pp", labels)
+        path_info.publish("ack_counts", "blocking", "pp", labels)  # unchanged: no-op
+        """,
+    )
+    info = _info(_exposition(tmp_path))
+    assert info == {
+        ("0", "ack_counts", "pipelined", "pipelined"): 0.0,
+        ("0", "ack_counts", "blocking", "pp"): 1.0,
+    }, info
+
+
+def test_reason_is_a_bounded_code_never_a_message(tmp_path):
+    _rank(
+        tmp_path,
+        0,
+        """
+        path_info.publish("ack_counts", "blocking", "the installed SGLang differs in x", labels)
+        assert path_info.reason_code("untested_release") == "untested_release"
+        assert path_info.reason_code("Pipelined") == "other"
+        assert path_info.reason_code(None) == "other"
+        assert path_info.reason_code("a" * 49) == "other"
+        """,
+    )
+    info = _info(_exposition(tmp_path))
+    assert info == {("0", "ack_counts", "blocking", "other"): 1.0}, info
+
+
+def test_bad_input_is_logged_never_raised(tmp_path):
+    out = _rank(
+        tmp_path,
+        0,
+        """
+        import logging
+        logging.basicConfig(level=logging.WARNING)
+        assert not path_info.publish("acks", "pipelined", "pipelined", labels)
+        assert not path_info.publish("ack_counts", "fast", "pipelined", labels)
+        assert not path_info.publish("ack_counts", "off", "x", dict(labels, sync="s"))
+        print("survived")
+        """,
+    )
+    assert "survived" in out
+    assert _info(_exposition(tmp_path)) == {}
+
+
+def test_second_label_set_in_one_process_exports_both(tmp_path):
+    _rank(
+        tmp_path,
+        0,
+        """
+        assert path_info.publish("ack_counts", "pipelined", "pipelined", labels)
+        assert path_info.publish("ack_counts", "off", "disabled_by_env", dict(labels, model="m"))
+        """,
+    )
+    samples = [s for s in _exposition(tmp_path) if s[0] == "sglang:hicache_sync_path_info"]
+    assert sorted(s[1].get("model", "") for s in samples) == ["", "m"], samples
+
+
+def test_created_through_the_caches_collector_class(tmp_path):
+    """A deployment with other collector classes (RayEngine) gets the series
+    through the cache's gauge class, as the ack sync's own series."""
+    _rank(
+        tmp_path,
+        0,
+        """
+        from types import SimpleNamespace
+        made = []
+
+        class RecordingGauge:
+            def __init__(self, name, doc, labelnames, **kw):
+                made.append((name, tuple(labelnames), kw))
+            def labels(self, **kw):
+                return self
+            def set(self, v):
+                made.append(("set", v))
+
+        class Collector:
+            _gauge_cls = RecordingGauge
+
+        assert path_info.publish("ack_counts", "pipelined", "pipelined", labels, Collector())
+        name, names, kw = made[0]
+        assert name == "sglang:hicache_sync_path_info", made
+        assert names[-3:] == ("sync", "path", "reason"), names
+        assert "registry" not in kw, kw
+        assert made[1] == ("set", 1), made
+        """,
+    )
+
+
+def test_inert_hook_publishes_off_with_the_caches_labels_and_nothing_without_metrics(tmp_path):
+    """The version guard's stand-down hook: path off for both cache syncs under
+    the cache's own labels; a cache without metrics (no collector) gets none;
+    whatever the hooked method returned is returned unchanged."""
+    _rank(
+        tmp_path,
+        0,
+        """
+        from types import SimpleNamespace
+        hook = path_info.inert_hook("untested_release")
+        cache = SimpleNamespace(metrics_collector=SimpleNamespace(labels=labels))
+        assert hook("result", cache, "server_args", params=None) == "result"
+        assert hook(None, SimpleNamespace()) is None  # metrics off: nothing
+        assert hook(None, SimpleNamespace(metrics_collector=SimpleNamespace(labels=3))) is None
+        """,
+    )
+    info = _info(_exposition(tmp_path))
+    assert info == {
+        ("0", "ack_counts", "off", "untested_release"): 1.0,
+        ("0", "prefetch_votes", "off", "untested_release"): 1.0,
+    }, info
