@@ -13,8 +13,11 @@ import torch
 from hicache_async_ack.tools import cpu_server
 from hicache_async_ack.tools.cpu_server import model, standins
 from hicache_async_ack.tools.cpu_server.settings import (
+    BREAK_MODES,
+    CPU_BREAK_COPIES_VAR,
     CPU_REDUCE_LATENCY_VAR,
     CPU_SKEW_VAR,
+    parse_cpu_break_copies,
     parse_cpu_reduce_latency_ms,
     parse_cpu_skew,
 )
@@ -40,6 +43,30 @@ def test_transfer_kv_direct_copies_the_indexed_rows_of_every_layer():
         assert dst[i][0].tolist() == src[i][7].tolist()
         assert dst[i][5].tolist() == src[i][3].tolist()
         assert dst[i][1:5].count_nonzero() == 0
+
+
+def test_broken_copies_are_wrong_in_the_way_they_say():
+    # The negative control's stand-ins: noop writes nothing, swap writes the right rows
+    # into the wrong buffers (K into V); the real one is right (above).
+    src = [torch.arange(20.0).reshape(10, 2) + 100 * i for i in range(2)]
+    idx_src, idx_dst = torch.tensor([7, 3]), torch.tensor([0, 5])
+    dst = [torch.zeros(6, 2) for _ in range(2)]
+    standins.transfer_kv_noop(src, dst, idx_src, idx_dst, 1)
+    assert all(d.count_nonzero() == 0 for d in dst)
+    standins.transfer_kv_swapped(src, dst, idx_src, idx_dst, 1)
+    assert dst[1][0].tolist() == src[0][7].tolist() and dst[0][5].tolist() == src[1][3].tolist()
+    assert set(standins.TRANSFERS) == {"", *BREAK_MODES}  # one per accepted value
+
+
+@pytest.mark.parametrize("raw, mode", [("", ""), (None, ""), ("noop", "noop"), ("swap", "swap")])
+def test_break_copies_parses(raw, mode):
+    assert parse_cpu_break_copies(raw) == mode
+
+
+@pytest.mark.parametrize("raw", ["1", "NOOP", "none"])
+def test_bad_break_copies_names_the_accepted_values(raw):
+    with pytest.raises(ValueError, match="expected one of noop, swap"):
+        parse_cpu_break_copies(raw)
 
 
 class _Event:
@@ -100,8 +127,22 @@ def test_environment_puts_the_stand_ins_first_and_keeps_the_callers_path():
     assert env["PYTHONPATH"].split(":") == [str(cpu_server.BOOT_DIR), "/x"]
     assert env["SGLANG_USE_CPU_ENGINE"] == "1"
     assert env[CPU_SKEW_VAR] == "0,1" and env[CPU_REDUCE_LATENCY_VAR] == "3.2"
+    assert CPU_BREAK_COPIES_VAR not in env  # real copies unless asked
+    assert cpu_server.environment([], base={}, break_copies="noop")[CPU_BREAK_COPIES_VAR] == "noop"
     with pytest.raises(ValueError):
         cpu_server.environment([], base={}, skew="oops")
+    with pytest.raises(ValueError, match="noop, swap"):
+        cpu_server.environment([], base={}, break_copies="broken")
+
+
+def test_seeded_weights_by_default_and_dummy_on_request():
+    def load_format(cmd):
+        return cmd[cmd.index("--load-format") + 1]
+
+    assert load_format(cpu_server.command([], model.default_dir())) == "safetensors"
+    assert load_format(cpu_server.command([], model.default_dir(), weights="dummy")) == "dummy"
+    with pytest.raises(ValueError, match="expected one of seeded, dummy"):
+        cpu_server.command([], model.default_dir(), weights="random")
 
 
 def test_callers_arguments_come_after_the_defaults(tmp_path):
@@ -127,6 +168,11 @@ def test_cli_prints_the_command_and_lists_the_stand_ins():
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2 and "e.g. '0,3'" in bad.stderr
+    weights = subprocess.run(
+        [sys.executable, "-m", "hicache_async_ack", "cpu-server", "--cpu-weights", "random"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert weights.returncode == 2 and "'seeded', 'dummy'" in weights.stderr
 
 
 def test_other_commands_still_refuse_unknown_arguments():
@@ -150,3 +196,39 @@ def test_tiny_model_has_a_real_tokenizer_that_round_trips(tmp_path):
     assert len(ids) < len(text)  # merges were learned
     assert tok.decode(ids) == text
     assert model.ensure_model(path) == path  # built once
+
+
+def test_tiny_model_weights_are_seeded_and_load_as_a_llama(tmp_path):
+    # The same tensors on every build; every name the architecture expects, no other
+    # (transformers reports both); logits that depend on the whole prompt.
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    path = model.ensure_model(tmp_path / "m")
+    stored = load_file(str(path / model.WEIGHTS_FILE))
+    again = model.weights()
+    assert stored.keys() == again.keys() and len(stored) > 0
+    assert all(torch.equal(stored[k], again[k]) for k in stored)
+    assert abs(float(stored["model.embed_tokens.weight"].std()) - 1.0) < 0.05
+    q = stored["model.layers.0.self_attn.q_proj.weight"]
+    assert abs(float(q.std()) - 64**-0.5) < 0.01
+    llama, info = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    other = ids.clone()
+    other[0, 0] = 11  # only the first token differs
+    with torch.no_grad():
+        a, b = (torch.log_softmax(llama(x).logits[0, -1], -1) for x in (ids, other))
+    assert float((a - b).abs().max()) > 1e-3  # the last token alone does not decide
+    assert float(a.max()) > -5.0  # not flat: dummy weights give -ln(512) = -6.24 everywhere
+
+
+def test_a_directory_without_the_weights_is_refused_not_replaced(tmp_path):
+    old = tmp_path / "m"
+    old.mkdir()
+    (old / "config.json").write_text("{}")  # what a v1 build left: no weights
+    with pytest.raises(RuntimeError, match="no complete tiny model"):
+        model.ensure_model(old)
+    assert (old / "config.json").read_text() == "{}"
