@@ -23,13 +23,13 @@ from types import SimpleNamespace
 import pytest
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from hicache_async_ack.ack_sync import STORAGE_QUEUES
 from hicache_async_ack.env import PLUGINS_VAR
-from hicache_async_ack.testing.collectives import FakeGroup
+from hicache_async_ack.features.ack_sync import STORAGE_QUEUES
+from hicache_async_ack.sim.cache import build_cache
+from hicache_async_ack.sim.collectives import FakeGroup
 from hicache_async_ack.testing.scenarios import attach_in_tree
-from hicache_async_ack.testing.sim_cache import build_cache
 
-MODULE = "sglang.srt.mem_cache.hicache_ack_sync"
+MODULE = "sglang.srt.mem_cache.unified_cache.hicache_ack_sync"
 intree = importlib.import_module(MODULE)  # ImportError: not a patched tree
 DIGEST = 0
 
@@ -44,7 +44,8 @@ def test_the_patched_tree_is_the_one_in_use_and_the_plugin_is_not_loaded():
     for name in ("init_hicache", "check_hicache_events", "_sync_hicache_ready_counts"):
         assert not is_hooked(getattr(UnifiedRadixCache, name)), name
     assert "site-packages" not in intree.__file__
-    assert UnifiedRadixCache.ack_sync is None  # caches built without init_hicache block
+    # No class attribute: __init__ defaults it, as it does the other collaborators
+    assert not hasattr(UnifiedRadixCache, "ack_sync")
 
 
 # ------------------------------------------------------------- PP and buffer
@@ -87,6 +88,7 @@ def pp_cache(kind: str, pp_rank: int, writes, loads, host_memory_mode="cache", s
                 enable_storage=storage, write_back_duplicate_reclaim_digest=0
             ),
             linker=None,
+            ack_sync=None,  # what the patch adds to SGLang's own test's cache
             buffer_pipeline=None,
             enable_storage_metrics=False,
             storage_metrics_collector=None,
@@ -94,6 +96,7 @@ def pp_cache(kind: str, pp_rank: int, writes, loads, host_memory_mode="cache", s
         )
     else:
         cache = build_cache(tp_group=FakeGroup(2), tp_world_size=2, pp_size=2).cache
+        cache.__dict__["ack_sync"] = None  # as the patched __init__ leaves it
         cache.tree_core.enable_storage = storage
     cc = cache.cache_controller
     cc.ack_write_queue = [Ack(d) for d in writes]

@@ -1,11 +1,17 @@
 """The edits to SGLang's own files, computed from the source given.
 
-``unified_radix_cache.py``: one import; a class attribute ``ack_sync`` (None:
-the blocking path, which caches built without ``init_hicache`` keep);
-``init_hicache`` ends by creating it; ``check_hicache_events`` takes its counts
-from it when set, and issues the next all_reduce right after its pops.
+``unified_radix_cache.py``: one import; ``__init__`` defaults ``ack_sync`` to
+None (the blocking path) next to the other HiCache collaborators;
+``init_hicache`` ends by creating it, with the disaggregation mode from its
+server args; ``_sync_hicache_ready_counts`` is split into the local counts
+(``_local_hicache_ready_counts``, counting over ``_hicache_ready_queues``, the
+one list of what is counted) and the reduce, so the pipelined path counts with
+the same code; ``check_hicache_events`` takes its counts from ``ack_sync`` when
+set, and issues the next all_reduce right after its pops.
 ``environ.py``: the two settings, at the end of the radix-cache section.
 ``docs/references/environment_variables.md`` (a checkout only): two rows.
+A checkout's unit tests that build the cache with ``object.__new__`` and run
+``check_hicache_events`` (they set each attribute it reads) set ``ack_sync``.
 
 Everything is located with ``ast`` in the text given; what cannot be found, or
 is found in a shape the edit does not fit, raises :class:`EditError` naming it.
@@ -33,12 +39,54 @@ RADIX_SECTION = re.compile(r"\bradix\b", re.IGNORECASE)
 SECTION_RULE = re.compile(r"^\s*# ={10,}\s*$")
 DEPTH_MAX = 8  # the in-tree module's MAX_DEPTH
 
-CLASS_ATTR = f"""# Pipelined ready-count all_reduce of check_hicache_events; set by init_hicache.
-{ATTR}: Optional[{CLASS_NAME}] = None
-"""
-CREATE = f"""
+LOCAL = "_local_hicache_ready_counts"
+QUEUES = "_hicache_ready_queues"
+# The storage control queues _sync_hicache_ready_counts counts, in its order
+# (checked against the source: a release that counts others fails loudly).
+STORAGE_QUEUES = (
+    "prefetch_hit_queue",
+    "ack_prefetch_queue",
+    "ack_backup_queue",
+    "host_mem_release_queue",
+)
+# What the local counts end with: the names the reduce then uses.
+LOCAL_NAMES = ("write_acks", "load_acks", "storage_queue_sizes", "extra_pool_names")
+# Where __init__ defaults the HiCache collaborators that init_hicache builds.
+INIT_ANCHORS = ("self._storage_attachment", "self.cache_controller")
+INIT_FIELD = f"""# Pipelines check_hicache_events' ready-count all_reduce; built by
+# init_hicache where the step allows it (None: the blocking all_reduce).
+self.{ATTR}: Optional[{CLASS_NAME}] = None"""
+CREATE = """
 # Every rank of the TP group reaches the same decision here.
-self.{ATTR} = {CLASS_NAME}.create(self)"""
+self.{attr} = {cls}.create(self, {args}.disaggregation_mode)"""
+QUEUES_METHOD = (
+    f"""def {QUEUES}(self) -> list:
+    \"\"\"What check_hicache_events pops from, in the order of its ready counts:
+    the write and load acks, then, with storage, the storage control queues
+    (extra pools last, in the order of their names).\"\"\"
+    cc = self.cache_controller
+    queues = [cc.ack_write_queue, cc.ack_load_queue]
+    if self.enable_storage:
+        extra = getattr(cc, "extra_host_mem_release_queues", {{}})
+        queues += [
+"""
+    + "".join(f"            cc.{name},\n" for name in STORAGE_QUEUES)
+    + """            *extra.values(),
+        ]
+    return queues
+"""
+)
+LOCAL_DOC = '"""This rank\'s ready counts, before the all_reduce agrees on them."""'
+LOCAL_COUNT = f"""counts = [
+    self._count_ready_acks(q) if isinstance(q, list) else q.qsize()
+    for q in self.{QUEUES}()
+]
+write_acks, load_acks = counts[:2]
+storage_queue_sizes = tuple(counts[2:])"""
+LOCAL_RETURN = f"return {', '.join(LOCAL_NAMES)}"
+LOCAL_CALL = f"""{", ".join(LOCAL_NAMES)} = (
+    self.{LOCAL}()
+)"""
 COUNTS = f"""(
     {SYNC_CALL}
     if self.{ATTR} is None
@@ -115,30 +163,109 @@ def _import_edit(tree: ast.Module, path: str) -> tuple[int, int, list[str]]:
     return at, at - 1, [line]
 
 
-def _class_attr_edit(cls: ast.ClassDef, lines: list[str]) -> tuple[int, int, list[str]]:
-    """The class attribute, first in the class body (after a docstring)."""
-    first = cls.body[0]
-    is_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-    indent = first.col_offset
-    block = _indent(CLASS_ATTR, indent)
-    if is_doc:
-        at = (first.end_lineno or first.lineno) + 1
-        return at, at - 1, [""] + block[:-1]
-    at = min([first.lineno] + [d.lineno for d in getattr(first, "decorator_list", [])])
-    return at, at - 1, block
+def _init_field_edit(fn: ast.FunctionDef, path: str) -> tuple[int, int, list[str]]:
+    """After the default of the storage attachment (or of the controller) in
+    __init__: the other collaborators init_hicache builds."""
+    for anchor in INIT_ANCHORS:
+        for node in fn.body:
+            if isinstance(node, (ast.AnnAssign, ast.Assign)):
+                targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+                if any(ast.unparse(t) == anchor for t in targets):
+                    at = (node.end_lineno or node.lineno) + 1
+                    return at, at - 1, _indent(INIT_FIELD, node.col_offset)
+    raise EditError(f"{path}: {CACHE_CLASS}.__init__() sets none of {', '.join(INIT_ANCHORS)}")
 
 
 def _init_edit(fn: ast.FunctionDef, path: str) -> tuple[int, int, list[str]]:
-    """The last statement of init_hicache (which must not return early)."""
+    """The last statement of init_hicache (which must not return early), with
+    the disaggregation mode from its server args."""
     for node in ast.walk(fn):
         if isinstance(node, ast.Return):
             raise EditError(
                 f"{path}: {CACHE_CLASS}.init_hicache() returns at line {node.lineno}; "
                 "the patch creates the ack sync at its end"
             )
+    params = [a.arg for a in fn.args.args]
+    if len(params) < 2 or "server_args" not in params[1]:
+        raise EditError(
+            f"{path}: {CACHE_CLASS}.init_hicache() does not take the server args "
+            f"first (parameters: {', '.join(params)})"
+        )
     last = fn.body[-1]
     at = (last.end_lineno or last.lineno) + 1
-    return at, at - 1, _indent(CREATE, fn.body[0].col_offset)
+    create = CREATE.format(attr=ATTR, cls=CLASS_NAME, args=params[1])
+    return at, at - 1, _indent(create, fn.body[0].col_offset)
+
+
+def _assigned(nodes: list[ast.stmt]) -> set[str]:
+    """The names these statements assign (comprehension variables aside)."""
+    targets = [
+        t
+        for s in nodes
+        for n in ast.walk(s)
+        if isinstance(n, (ast.Assign, ast.AnnAssign))
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+    ]
+    return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+
+
+def _split_edits(
+    fn: ast.FunctionDef, lines: list[str], path: str
+) -> list[tuple[int, int, list[str]]]:
+    """_sync_hicache_ready_counts becomes the local counts (its statements up to
+    the reduce, counting over the queue list) and the reduce of them (the rest,
+    under its own name)."""
+    where = f"{path}: {CACHE_CLASS}._sync_hicache_ready_counts()"
+    if fn.decorator_list or [a.arg for a in fn.args.args] != ["self"]:
+        raise EditError(f"{where} is not a plain method of self alone")
+    branches = [
+        (i, n)
+        for i, n in enumerate(fn.body)
+        if isinstance(n, ast.If) and {"write_acks", "load_acks"} <= _assigned(n.orelse)
+    ]
+    if len(branches) != 1:
+        raise EditError(f"{where}: no single if/else that counts write_acks and load_acks")
+    i, branch = branches[0]
+    orelse = branch.orelse
+    if _assigned(orelse) != set(LOCAL_NAMES[:3]):
+        raise EditError(f"{where}: its else branch sets {sorted(_assigned(orelse))}")
+    counted = [
+        ast.unparse(n.func.value).split(".")[-1]
+        for s in orelse
+        for n in ast.walk(s)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "qsize"
+        and isinstance(n.func.value, ast.Attribute)
+    ]
+    if tuple(counted) != STORAGE_QUEUES:
+        raise EditError(f"{where} counts the storage queues {counted}, not {STORAGE_QUEUES}")
+    missing = set(LOCAL_NAMES) - _assigned(fn.body[: i + 1])
+    if missing or i + 1 >= len(fn.body):
+        raise EditError(f"{where}: {sorted(missing)} not set before the reduce")
+    body = fn.body[0].col_offset
+    header = lines[fn.lineno - 1 : fn.body[0].lineno - 1]
+    if not header[0].lstrip().startswith(f"def {fn.name}("):
+        raise EditError(f"{where}: the definition does not start on line {fn.lineno}")
+    local_header = [header[0].replace(f"def {fn.name}(", f"def {LOCAL}(", 1)]
+    end = branch.end_lineno or branch.lineno
+    split = [
+        *_indent(LOCAL_RETURN, body),
+        "",
+        *header,
+        *_indent(LOCAL_CALL, body),
+    ]
+    return [
+        (fn.lineno, fn.lineno - 1, _indent(QUEUES_METHOD, fn.col_offset)),
+        (fn.lineno, fn.lineno, local_header),
+        (fn.body[0].lineno, fn.body[0].lineno - 1, _indent(LOCAL_DOC, body)),
+        (
+            orelse[0].lineno,
+            orelse[-1].end_lineno or orelse[-1].lineno,
+            _indent(LOCAL_COUNT, orelse[0].col_offset),
+        ),
+        (end + 1, end, split),
+    ]
 
 
 def _check_edits(
@@ -200,11 +327,12 @@ def edit_cache(text: str, path: str = CACHE_PATH) -> str:
     lines = text.split("\n")
     cls = _find_class(tree, CACHE_CLASS, path)
     methods = _methods(cls)
-    for name in ("init_hicache", "check_hicache_events", "_sync_hicache_ready_counts"):
+    for name in ("__init__", "init_hicache", "check_hicache_events", "_sync_hicache_ready_counts"):
         if name not in methods:
             raise EditError(f"{path}: {CACHE_CLASS}.{name}() not found")
-    if re.search(rf"\b{ATTR}\b", text):
-        raise EditError(f"{path} already uses the name {ATTR}")
+    for name in (ATTR, LOCAL, QUEUES):
+        if re.search(rf"\b{name}\b", text):
+            raise EditError(f"{path} already uses the name {name}")
     bound = {
         a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names
     }
@@ -212,8 +340,9 @@ def edit_cache(text: str, path: str = CACHE_PATH) -> str:
         raise EditError(f"{path} does not import Optional from typing")
     edits = [
         _import_edit(tree, path),
-        _class_attr_edit(cls, lines),
+        _init_field_edit(methods["__init__"], path),
         _init_edit(methods["init_hicache"], path),
+        *_split_edits(methods["_sync_hicache_ready_counts"], lines, path),
         *_check_edits(methods["check_hicache_events"], lines, path),
     ]
     return _apply(lines, edits)

@@ -20,9 +20,14 @@ from ..options import ToolError
 
 FILES = Path(__file__).resolve().with_name("files")
 MODULE_NAME = "hicache_ack_sync"
-MODULE = f"sglang.srt.mem_cache.{MODULE_NAME}"
-MODULE_PATH = f"sglang/srt/mem_cache/{MODULE_NAME}.py"
+# Under unified_cache/, where mem_cache/README.md files the Unified Radix Cache's
+# parts (its storage_attachment.py, built by init_hicache too, sits there).
+MODULE = f"sglang.srt.mem_cache.unified_cache.{MODULE_NAME}"
+MODULE_PATH = f"sglang/srt/mem_cache/unified_cache/{MODULE_NAME}.py"
 CLASS_NAME = "HiCacheAckSync"
+# How the module names a peer running this plugin (issue 22 point 5: the stamp
+# ranges); the one line of the patch allowed to name it.
+PEER_PLUGIN = "a peer runs the hicache-async-ack plugin"
 # SGLang's CPU unit test (built like its test_hiradix_pp_sync_drain.py) and a
 # 2-rank gloo test, at their paths from the repository root.
 TEST_PATHS = (
@@ -44,5 +49,5 @@ def read(rel: str) -> str:
 
 
 def compose() -> str:
-    """The text of ``sglang/srt/mem_cache/hicache_ack_sync.py``."""
+    """The text of the module the patch adds (MODULE_PATH)."""
     return read(MODULE_PATH)

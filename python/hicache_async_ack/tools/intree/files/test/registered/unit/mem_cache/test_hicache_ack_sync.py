@@ -8,10 +8,10 @@ from unittest.mock import MagicMock, patch
 import torch
 
 from sglang.srt.environ import envs
-from sglang.srt.mem_cache import hicache_ack_sync
-from sglang.srt.mem_cache.hicache_ack_sync import HiCacheAckSync
+from sglang.srt.mem_cache.unified_cache.hicache_ack_sync import HiCacheAckSync
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
 
 register_cpu_ci(est_time=10, suite="base-a-test-cpu")
 
@@ -64,6 +64,7 @@ def _make_cache(storage=False, pp_size=1, host_memory_mode="cache"):
     cache.tp_world_size = 2
     cache.attn_cp_group = None
     cache.attn_tp_group = None
+    cache.ack_sync = None
     cache._drain_async_work = MagicMock()
     cache._all_reduce = MagicMock()
     cache.cache_controller = SimpleNamespace(
@@ -99,15 +100,9 @@ def _start(test, patcher):
     test.addCleanup(patcher.stop)
 
 
-class TestHiCacheAckSyncCreate(unittest.TestCase):
-    def setUp(self):
-        self.disagg = SimpleNamespace(disaggregation_mode="null")
-        _start(
-            self, patch.object(hicache_ack_sync, "get_disagg", return_value=self.disagg)
-        )
-
+class TestHiCacheAckSyncCreate(CustomTestCase):
     def test_pipelines_over_the_tp_group_at_depth_1(self):
-        sync = HiCacheAckSync.create(_make_cache())
+        sync = HiCacheAckSync.create(_make_cache(), "null")
         self.assertIsNotNone(sync)
         self.assertEqual((sync.group, sync.depth), ("tp", 1))
 
@@ -120,30 +115,23 @@ class TestHiCacheAckSyncCreate(unittest.TestCase):
             if name == "single rank":
                 cache.tp_world_size = 1
             with self.subTest(name):
-                self.assertIsNone(HiCacheAckSync.create(cache))
-        self.disagg.disaggregation_mode = "decode"
-        self.assertIsNone(HiCacheAckSync.create(_make_cache()))
+                self.assertIsNone(HiCacheAckSync.create(cache, "null"))
+        self.assertIsNone(HiCacheAckSync.create(_make_cache(), "decode"))
 
     def test_the_switch_restores_the_blocking_path(self):
         with envs.SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC.override(False):
-            self.assertIsNone(HiCacheAckSync.create(_make_cache()))
+            self.assertIsNone(HiCacheAckSync.create(_make_cache(), "null"))
 
-    def test_bad_settings_stop_start_up(self):
-        for field, value, expected in [
-            (envs.SGLANG_HICACHE_ASYNC_ACK_DEPTH, "auto", "from 1 to 8"),
-            (envs.SGLANG_HICACHE_ASYNC_ACK_DEPTH, "9", "from 1 to 8"),
-            (envs.SGLANG_HICACHE_ASYNC_ACK_DEPTH, "0", "from 1 to 8"),
-            (envs.SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC, "off", "false/0/no/n"),
-        ]:
-            with self.subTest(value=value), field.override(value):
-                with self.assertRaisesRegex(ValueError, expected):
-                    HiCacheAckSync.create(_make_cache())
+    def test_a_depth_out_of_range_stops_start_up(self):
+        for value in ("9", "0"):
+            with self.subTest(value=value):
+                with envs.SGLANG_HICACHE_ASYNC_ACK_DEPTH.override(value):
+                    with self.assertRaisesRegex(ValueError, "from 1 to 8"):
+                        HiCacheAckSync.create(_make_cache(), "null")
 
 
-class TestPipelinedCheckHiCacheEvents(unittest.TestCase):
+class TestPipelinedCheckHiCacheEvents(CustomTestCase):
     def setUp(self):
-        disagg = SimpleNamespace(disaggregation_mode="null")
-        _start(self, patch.object(hicache_ack_sync, "get_disagg", return_value=disagg))
         self.group = _Group()
         _start(
             self, patch.object(torch.distributed, "all_reduce", self.group.all_reduce)
@@ -152,7 +140,7 @@ class TestPipelinedCheckHiCacheEvents(unittest.TestCase):
     def _pipelined(self, depth=1, **kwargs):
         cache = _make_cache(**kwargs)
         with envs.SGLANG_HICACHE_ASYNC_ACK_DEPTH.override(depth):
-            cache.ack_sync = HiCacheAckSync.create(cache)
+            cache.ack_sync = HiCacheAckSync.create(cache, "null")
         return cache
 
     def _step(self, cache):
@@ -212,6 +200,19 @@ class TestPipelinedCheckHiCacheEvents(unittest.TestCase):
         self.assertEqual(self._step(cache), entries)
         self.assertTrue(hit.empty())
 
+    def test_counts_with_the_blocking_paths_local_counts(self):
+        cache = self._pipelined(storage=True)
+        cc = cache.cache_controller
+        cc.ack_write_queue += [_ack(), _ack(ready=False), _ack()]
+        cc.ack_load_queue += [_ack()]
+        for size, name in enumerate(STORAGE_QUEUES, start=1):
+            for _ in range(size):
+                getattr(cc, name).put(object())
+        write, load, sizes, _ = cache._local_hicache_ready_counts()
+        cache.ack_sync.issue()
+        self.assertEqual(self.group.reduced[-1][:-2], [write, load, *sizes])
+        self.assertEqual(self.group.reduced[-1][:-2], [1, 1, 1, 2, 3, 4])
+
     def test_a_blocking_peer_stops_every_rank_before_any_pop(self):
         cache = self._pipelined()
         cache.cache_controller.ack_write_queue += [_ack()]
@@ -231,8 +232,18 @@ class TestPipelinedCheckHiCacheEvents(unittest.TestCase):
             self._step(cache)
         self.assertEqual(cache.popped, [])
 
+    def test_a_peer_with_an_out_of_tree_stamp_stops_every_rank_before_any_pop(self):
+        cache = self._pipelined()
+        cache.cache_controller.ack_write_queue += [_ack()]
+        self._step(cache)
+        x = self.group.reduced[-1][-2]
+        self.group.peer = [1, 0, x, -(1 << 58)]  # a stamp SGLang never sends
+        with self.assertRaisesRegex(RuntimeError, "SGLANG_PLUGINS"):
+            self._step(cache)
+        self.assertEqual(cache.popped, [])
 
-class TestBlockingPathUnchanged(unittest.TestCase):
+
+class TestBlockingPathUnchanged(CustomTestCase):
     def test_a_cache_without_init_hicache_reduces_and_pops_in_the_same_step(self):
         cache = _make_cache()
         ack = _ack()

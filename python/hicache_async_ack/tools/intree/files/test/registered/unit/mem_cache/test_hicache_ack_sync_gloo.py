@@ -1,26 +1,25 @@
 """The pipelined HiCache ready-count all_reduce on two gloo ranks (CPU)."""
 
-import multiprocessing as mp
 import os
-import socket
 import traceback
 import unittest
 from datetime import timedelta
 from types import SimpleNamespace
 from unittest.mock import MagicMock, patch
 
-import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from sglang.srt.mem_cache import hicache_ack_sync
-from sglang.srt.mem_cache.hicache_ack_sync import HiCacheAckSync
+from sglang.srt.mem_cache.unified_cache.hicache_ack_sync import HiCacheAckSync
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
 
-register_cpu_ci(est_time=30, suite="base-a-test-cpu")
+register_cpu_ci(est_time=40, suite="base-a-test-cpu")
 
+WORLD_SIZE = 2
 STEPS = 24
-TIMEOUT_S = 60
+TIMEOUT = timedelta(seconds=60)
 
 
 class _Event:
@@ -71,13 +70,9 @@ def _play(rank, group, env):
     """STEPS scheduler steps on one rank: (pipelined, popped, error)."""
     cache = None
     try:
-        disagg = SimpleNamespace(disaggregation_mode="null")
-        with (
-            patch.dict(os.environ, env),
-            patch.object(hicache_ack_sync, "get_disagg", return_value=disagg),
-        ):
+        with patch.dict(os.environ, env):
             cache = _make_cache(group)
-            cache.ack_sync = HiCacheAckSync.create(cache)
+            cache.ack_sync = HiCacheAckSync.create(cache, "null")
         queue = cache.cache_controller.ack_write_queue
         for step in range(STEPS):
             cache.clock[0] = step
@@ -92,55 +87,61 @@ def _play(rank, group, env):
         return None, [] if cache is None else cache.popped, traceback.format_exc()
 
 
-def _run_rank(rank, world, port, results):
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )
-    agree = _play(rank, dist.group.WORLD, {})
-    # A fresh group: rank 1 runs the blocking all_reduce.
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
-    off = {"SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC": "false"} if rank == 1 else {}
-    switch_off = _play(rank, group, off)
-    results.put((rank, {"agree": agree, "switch_off": switch_off}))
-    results.close()
-    results.join_thread()
-    # Skip the interpreter's teardown of the gloo groups (one was left mid-step).
-    os._exit(0)
+def _run_rank(rank, port, output_writer):
+    results = None
+    try:
+        store = dist.TCPStore(
+            "127.0.0.1", port, WORLD_SIZE, is_master=False, timeout=TIMEOUT
+        )
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=WORLD_SIZE, timeout=TIMEOUT
+        )
+        agree = _play(rank, dist.group.WORLD, {})
+        # A fresh group: rank 1 runs the blocking all_reduce.
+        group = dist.new_group(backend="gloo", timeout=TIMEOUT)
+        off = {"SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC": "false"} if rank == 1 else {}
+        results = {"agree": agree, "switch_off": _play(rank, group, off)}
+        dist.destroy_process_group()
+    except Exception:
+        traceback.print_exc()
+    output_writer.send((rank, results))
+    output_writer.close()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class TestHiCacheAckSyncGloo(unittest.TestCase):
+class TestHiCacheAckSyncGloo(CustomTestCase):
     @classmethod
     def setUpClass(cls):
-        # Forked: the ranks reuse this process's imports (CPU only, no CUDA).
-        ctx = mp.get_context("fork")
-        results = ctx.Queue()
-        port = _free_port()
-        procs = [
-            ctx.Process(target=_run_rank, args=(rank, 2, port, results))
-            for rank in range(2)
+        # The store binds a free port itself; the ranks connect to it.
+        store = dist.TCPStore(
+            "127.0.0.1", 0, WORLD_SIZE + 1, is_master=True, wait_for_workers=False
+        )
+        ctx = mp.get_context("spawn")
+        output_reader, output_writer = ctx.Pipe(duplex=False)
+        processes = [
+            ctx.Process(target=_run_rank, args=(rank, store.port, output_writer))
+            for rank in range(WORLD_SIZE)
         ]
-        for p in procs:
+        for p in processes:
             p.start()
+        out = {}
         try:
-            out = dict(results.get(timeout=4 * TIMEOUT_S) for _ in procs)
+            for _ in processes:
+                if not output_reader.poll(4 * TIMEOUT.total_seconds()):
+                    break
+                rank, results = output_reader.recv()
+                out[rank] = results
         finally:
-            for p in procs:
-                p.join(timeout=TIMEOUT_S)
+            for p in processes:
+                p.join(timeout=TIMEOUT.total_seconds())
                 if p.is_alive():
                     p.kill()
-        cls.results = [out[rank] for rank in range(2)]
+        cls.results = [out.get(rank) for rank in range(WORLD_SIZE)]
+
+    def test_every_rank_reported(self):
+        self.assertNotIn(None, self.results, "a rank failed, see its log above")
 
     def test_ranks_pop_the_same_acks_at_the_same_step_once_all_finished(self):
+        self.assertNotIn(None, self.results)
         runs = [r["agree"] for r in self.results]
         for pipelined, _, error in runs:
             self.assertIsNone(error, error)
@@ -150,10 +151,11 @@ class TestHiCacheAckSyncGloo(unittest.TestCase):
         self.assertEqual([uid for _, uid in popped], list(range(STEPS // 2)))
         for step, uid in popped:
             # Finished on both ranks by the step the reduce was issued.
-            last_done = max(uid + (uid * (r + 1)) % 3 for r in range(2))
+            last_done = max(uid + (uid * (r + 1)) % 3 for r in range(WORLD_SIZE))
             self.assertGreater(step, last_done)
 
     def test_a_rank_with_the_switch_off_stops_both_before_any_pop(self):
+        self.assertNotIn(None, self.results)
         (_, popped0, error0), (_, popped1, error1) = [
             r["switch_off"] for r in self.results
         ]
