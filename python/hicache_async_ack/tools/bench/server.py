@@ -41,7 +41,7 @@ from pathlib import Path
 
 from ...env import ENABLE_VAR
 from ..options import ToolError, int_in
-from . import multiturn
+from . import multiturn, storage
 from .driver import parse_list, save, versions
 from .server_report import configs, draw_png, print_report, ratios
 
@@ -253,6 +253,8 @@ def check_arm(cfg: dict, arm: str, state: dict, server, name: str) -> None:
 
 
 def run(args) -> int:
+    if storage.wanted(args):  # requests waiting on L3 prefetches instead (storage.py)
+        return storage.run(args)
     cfg = config_of(args)
     if "bound" in cfg["arms"] and any("skew" in a for a in cfg["server_args"]):
         raise ToolError("the bound arm is only valid without skew (every rank's counts equal)")
@@ -449,5 +451,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="FILE.jsonl", help="append one JSON object per invocation")
     p.add_argument("--png", metavar="FILE")
     p.add_argument("--quiet", action="store_true")
+    storage.add_arguments(p)
     p.set_defaults(func=run)
     return p
