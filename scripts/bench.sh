@@ -2,19 +2,35 @@
 # Set up what is missing, then benchmark on this host:
 #   1. the step bench (TP=4 scheduler-like ranks over gloo, 11 ms step), then
 #   2. the real server: stock vs plugin, SGLang's launch_server on CPU driven by its
-#      own bench_serving, with 0 and 3 ms injected per HiCache all_reduce (~6 min).
+#      own bench_serving (generated-shared-prefix), 0 and 3.2 ms injected per HiCache
+#      all_reduce, 3 rounds, every ratio with its 95% interval (~10 min in all, quiet box).
 #
 #   scripts/bench.sh [bench args]                 both
 #   scripts/bench.sh --no-server [bench args]     the step bench only
 #   scripts/bench.sh --server-only [bench-server args]
+#   scripts/bench.sh --seed-table [bench-server args]
+#       the seed's table: L1, stock, plugin and the zero-sync bound, multi-turn
+#       (8 lanes x 6 turns), 0 and 3.2 ms, TP=2, 5 rounds (~45 min on a quiet box;
+#       add --tp 4 for TP=4)
+#   scripts/bench.sh --sweep [bench-server args]
+#       how the gain grows with the work: 4, 8, 16, 32 lanes at 3.2 ms, stock, plugin
+#       and the bound, 3 rounds, a plot of plugin/stock and plugin/bound (~60 min)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$(bash "$root/scripts/setup.sh")
 cd "$root"
 cli="$venv/bin/hicache-async-ack"
+seed_arms=(--workload multiturn --arms l1,stock,plugin,bound)
 case "${1:-}" in
   --no-server) shift; exec "$cli" bench "$@" ;;
   --server-only) shift; exec "$cli" bench-server "$@" ;;
+  --seed-table) shift
+    exec "$cli" bench-server "${seed_arms[@]}" --latency-ms 0,3.2 --rounds 5 \
+      --out bench-seed-table.jsonl --png bench-seed-table.png "$@" ;;
+  --sweep) shift
+    exec "$cli" bench-server --workload multiturn --arms stock,plugin,bound \
+      --latency-ms 3.2 --lanes 4,8,16,32 --rounds 3 --hicache-ratio 64 \
+      --out bench-sweep.jsonl --png bench-sweep.png "$@" ;;
 esac
 "$cli" bench "$@"
 "$cli" bench-server

@@ -333,3 +333,25 @@ def test_the_quick_default_workload_on_the_real_server(tmp_path):
     for v in by_arm.values():
         assert v["runs"][0]["completed"] == 8
     assert any(r["ratio"] == "plugin / stock" for r in record["ratios"])
+
+
+def test_a_failed_server_start_is_retried_then_reported(monkeypatch):
+    from hicache_async_ack.tools.bench import server as bench_server
+    from hicache_async_ack.tools.cpu_server import ServerFailed
+    from hicache_async_ack.tools.options import ToolError
+
+    monkeypatch.setattr(bench_server, "START_RETRY_S", 0.0)
+
+    class Flaky:
+        def __init__(self, failures):
+            self.failures, self.starts = failures, 0
+
+        def start(self):
+            self.starts += 1
+            if self.starts <= self.failures:
+                raise ServerFailed("Not enough host memory available")
+
+    ok = Flaky(2)
+    assert bench_server.start(ok, "stock-0ms-r0", quiet=True) == 3
+    with pytest.raises(ToolError, match="did not start 3 times"):
+        bench_server.start(Flaky(3), "stock-0ms-r0", quiet=True)

@@ -55,6 +55,7 @@ FIGURES = (
     ("median_itl_ms", "ITL p50 ms"),
 )
 BENCH_TIMEOUT_S = 900.0  # one bench_serving run; a stuck server fails the arm
+START_ATTEMPTS, START_RETRY_S = 3, 30.0
 BOUND_MARK = "ZERO-SYNC BOUND"  # bound.py's start-up warning, once per scheduler
 
 
@@ -187,7 +188,8 @@ def visit(cfg: dict, conf: tuple, rnd: int, workdir: Path, quiet: bool) -> dict:
         start_timeout_s=cfg["start_timeout_s"],
     )
     t0 = time.monotonic()
-    with server:
+    attempts = start(server, name, quiet)
+    try:
         argvs = []
         for r in range(cfg["runs"]):
             out = workdir / f"bench-{name}-{r}.jsonl"
@@ -199,6 +201,8 @@ def visit(cfg: dict, conf: tuple, rnd: int, workdir: Path, quiet: bool) -> dict:
                 argvs.append(gsp_args(cfg, server.port, model, out, seed))
         results, loads = run_client(argvs, workdir, name)
         state = plugin_state(server) if arm != "l1" else {"pipelined_ranks": 0}
+    finally:
+        server.stop()
     check_arm(cfg, arm, state, server, name)
     runs = [
         {key: res.get(key) for key, _ in FIGURES}
@@ -218,6 +222,7 @@ def visit(cfg: dict, conf: tuple, rnd: int, workdir: Path, quiet: bool) -> dict:
         "lanes": lanes,
         "round": rnd,
         "startup_s": server.startup_s,
+        "start_attempts": attempts,
         "wall_s": time.monotonic() - t0,
         "loadavg_start": load_start,
         "loadavg_end": os.getloadavg(),
@@ -234,6 +239,32 @@ def visit(cfg: dict, conf: tuple, rnd: int, workdir: Path, quiet: bool) -> dict:
             file=sys.stderr,
         )
     return rec
+
+
+def start(server, name: str, quiet: bool) -> int:
+    """Start the server; on a shared box a start can fail for want of memory another
+    job holds for a moment (SGLang sizes its host pool against free memory), so a
+    failed start is retried twice after a pause. The attempts go in the record."""
+    from ..cpu_server import ServerFailed
+
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            server.start()
+            return attempt
+        except ServerFailed as exc:
+            if attempt == START_ATTEMPTS:
+                raise ToolError(
+                    f"{name}: the server did not start {attempt} times: {exc}"
+                ) from None
+            if not quiet:
+                last = str(exc).strip().splitlines()[-1:] or [""]
+                print(
+                    f"[{name}] start {attempt} failed ({last[0][:120]}); retrying in "
+                    f"{START_RETRY_S:.0f} s",
+                    file=sys.stderr,
+                )
+            time.sleep(START_RETRY_S)
+    raise AssertionError("unreachable")
 
 
 def check_arm(cfg: dict, arm: str, state: dict, server, name: str) -> None:
@@ -322,7 +353,7 @@ def config_of(args) -> dict:
         "server_args": list(args.server_arg),
     }
     if cfg["hicache_ratio"] is None:
-        cfg["hicache_ratio"] = 8.0 if args.workload == "multiturn" else 4.0
+        cfg["hicache_ratio"] = 16.0 if args.workload == "multiturn" else 4.0
     return cfg
 
 
@@ -434,8 +465,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--hicache-ratio",
         type=float,
         default=None,
-        help="host pool / device pool (default 4 for gsp; 8 for multiturn, so "
-        "the host holds every lane's history)",
+        help="host pool / device pool (default 4 for gsp; 16 for multiturn, so "
+        "the host holds 8 lanes' histories)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
