@@ -78,3 +78,33 @@ def test_a_doc_with_hicache_rows_gets_the_settings_after_the_last():
     assert lines[4] == "| `SGLANG_Y` | y | `2` |"
     with pytest.raises(edits.EditError, match="already documents"):
         edits.edit_doc("\n".join(lines) + "\n")
+
+
+def test_the_gpu_checklist_is_one_command_that_parses_and_dry_runs(tmp_path):
+    """scripts/gpu-checklist.sh (the PR's GPU checklist): valid bash; --dry-run
+    lists the patch's tests and both arms per TP size without a GPU."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu-checklist.sh"
+    assert subprocess.run(["bash", "-n", str(script)], timeout=30).returncode == 0
+    done = subprocess.run(
+        [str(script), "--sglang-src", str(tmp_path), "--tp", "2,4", "--dry-run"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    arms = [line for line in done.stdout.splitlines() if line.startswith("-- TP=")]
+    assert [a.split(" (")[0] for a in arms] == [
+        "-- TP=2 blocking",
+        "-- TP=2 pipelined",
+        "-- TP=4 blocking",
+        "-- TP=4 pipelined",
+    ]
+    assert "test_hicache_ack_sync" in done.stdout
+    missing = subprocess.run(
+        [str(script), "--sglang-src", str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert missing.returncode == 1 and "is not patched" in missing.stderr
