@@ -298,11 +298,35 @@ def test_no_tests_leaves_the_tests_out(capsys, patch_text):
     assert rc == 0 and "test/registered" not in out and out in patch_text
 
 
+# A test in a checkout shaped like SGLang's test_hiradix_pp_sync_drain.py: it
+# builds the cache with object.__new__ and sets what check_hicache_events reads.
+OBJECT_NEW_TEST_PATH = "test/registered/unit/mem_cache/test_step_example.py"
+OBJECT_NEW_TEST = """import unittest
+
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+
+class TestStep(unittest.TestCase):
+    def _make_cache(self):
+        cache = object.__new__(UnifiedRadixCache)
+        cache.pp_rank = 0
+        cache.linker = None
+        cache.buffer_pipeline = None
+        return cache
+
+    def test_step(self):
+        self._make_cache().check_hicache_events()
+"""
+
+
 def _checkout(tmp_path: Path, doc: str) -> Path:
-    """A checkout of SGLang's repository: python/sglang/... and the env var doc."""
+    """A checkout of SGLang's repository: python/sglang/..., the env var doc and
+    a test that builds the cache with object.__new__."""
     copy_sources(installed_root(), tmp_path / "python")
     (tmp_path / DOC_PATH).parent.mkdir(parents=True)
     (tmp_path / DOC_PATH).write_text(doc)
+    (tmp_path / OBJECT_NEW_TEST_PATH).parent.mkdir(parents=True)
+    (tmp_path / OBJECT_NEW_TEST_PATH).write_text(OBJECT_NEW_TEST)
     return tmp_path
 
 
@@ -331,12 +355,17 @@ def test_against_a_checkout_paths_are_the_repositorys_and_the_doc_is_updated(cap
         f"python/{ENVIRON_PATH}",
         DOC_PATH,
         *files.TEST_PATHS,
+        OBJECT_NEW_TEST_PATH,
     ]
     assert run_cli(capsys, "--sglang-src", str(checkout))[1] == patch
     rc, out, _ = run_cli(capsys, "--sglang-src", str(checkout), "--check", str(checkout))
-    assert rc == 0 and "(6 files)" in out
+    assert rc == 0 and "(7 files)" in out
     done = patch_p1(patch, checkout)
     assert done.returncode == 0, done.stdout + done.stderr
+    test = (checkout / OBJECT_NEW_TEST_PATH).read_text().splitlines()
+    at = test.index("        cache.linker = None")
+    assert test[at + 1] == "        cache.ack_sync = None"
+    assert len(test) == len(OBJECT_NEW_TEST.splitlines()) + 1
     doc = (checkout / DOC_PATH).read_text().splitlines()
     at = doc.index("| `SGLANG_HICACHE_EXAMPLE` | An example row | `0` |")
     assert doc[at + 1].startswith(f"| `{ENABLE_VAR}` |") and doc[at + 1].endswith("| `true` |")

@@ -25,7 +25,16 @@ from pathlib import Path
 from typing import Optional
 
 from .intree import unidiff
-from .intree.edits import CACHE_PATH, DOC_PATH, ENVIRON_PATH, edit_cache, edit_doc, edit_environ
+from .intree.edits import (
+    CACHE_PATH,
+    DOC_PATH,
+    ENVIRON_PATH,
+    edit_cache,
+    edit_doc,
+    edit_environ,
+    edit_object_new_test,
+    needs_ack_sync_default,
+)
 from .intree.module import MODULE_PATH, TEST_PATHS, read
 from .options import ToolError
 
@@ -100,6 +109,12 @@ def new_texts(tree: Tree, tests: bool = True) -> dict[str, tuple[Optional[str], 
         out[DOC_PATH] = (text, edit_doc(text))
     if tests:
         out.update({rel: (None, read(rel)) for rel in TEST_PATHS})
+    if p and tests:  # a checkout: its tests that build the cache without __init__
+        for path in sorted((tree.root / "test").rglob("test_*.py")):
+            text = path.read_text(errors="replace")
+            if needs_ack_sync_default(text):
+                rel = path.relative_to(tree.root).as_posix()
+                out[rel] = (text, edit_object_new_test(text, rel))
     return out
 
 

@@ -405,3 +405,49 @@ def edit_doc(text: str, path: str = DOC_PATH) -> str:
         at = rows[-1] + 1
         return "".join(lines[:at]) + DOC_ROWS + "".join(lines[at:])
     return text.rstrip("\n") + "\n" + DOC_SECTION + DOC_ROWS
+
+
+# --------------------------------------------- a checkout's object.__new__ tests
+NEW_CACHE = f"object.__new__({CACHE_CLASS})"
+
+
+def needs_ack_sync_default(text: str) -> bool:
+    """Whether a test builds the cache without __init__ and runs the step."""
+    return NEW_CACHE in text and "check_hicache_events" in text
+
+
+def edit_object_new_test(text: str, path: str) -> str:
+    """A test that builds caches with ``object.__new__`` sets each attribute
+    check_hicache_events reads; it gets ``ack_sync = None`` after its
+    ``linker = None`` (else right after the cache is made), in every function
+    that makes one."""
+    tree = ast.parse(text)
+    lines = text.split("\n")
+    edits = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        made = [
+            s
+            for s in fn.body
+            if isinstance(s, ast.Assign)
+            and ast.unparse(s.value) == NEW_CACHE
+            and len(s.targets) == 1
+            and isinstance(s.targets[0], ast.Name)
+        ]
+        for new in made:
+            name = new.targets[0].id  # type: ignore[attr-defined]
+            after = next(
+                (
+                    s
+                    for s in fn.body
+                    if isinstance(s, ast.Assign)
+                    and [ast.unparse(t) for t in s.targets] == [f"{name}.linker"]
+                ),
+                new,
+            )
+            at = (after.end_lineno or after.lineno) + 1
+            edits.append((at, at - 1, _indent(f"{name}.{ATTR} = None", new.col_offset)))
+    if not edits:
+        raise EditError(f"{path}: no 'x = {NEW_CACHE}' in a function body")
+    return _apply(lines, edits)
