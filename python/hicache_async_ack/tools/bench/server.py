@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -140,10 +141,12 @@ def run_client(argvs: list[list[str]], workdir: Path, name: str) -> tuple[list[d
         )
         try:
             rc = proc.wait(BENCH_TIMEOUT_S * len(argvs))
-        except subprocess.TimeoutExpired:
+        except BaseException:  # a timeout, Ctrl-C or SIGTERM: the client goes too
             os.killpg(proc.pid, 9)
             proc.wait()
             rc = -9
+            if not isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
+                raise
     outs = [Path(a[a.index("--output-file") + 1]) for a in argvs]
     if rc != 0 or not all(o.exists() for o in outs):
         tail = log.read_text(errors="replace").splitlines()[-30:]
@@ -287,6 +290,8 @@ def run(args) -> int:
     if storage.wanted(args):  # requests waiting on L3 prefetches instead (storage.py)
         return storage.run(args)
     cfg = config_of(args)
+    # SIGTERM unwinds like Ctrl-C, so the server and client of the visit stop too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if "bound" in cfg["arms"] and any("skew" in a for a in cfg["server_args"]):
         raise ToolError("the bound arm is only valid without skew (every rank's counts equal)")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hicache-bench-server-"))
