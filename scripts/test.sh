@@ -26,7 +26,7 @@ unset PYTHONPATH
 SUBSET=(test/test_upstream.py test/test_unit_sglang.py test/test_plugin_loading.py
   test/test_multirank.py)
 
-venv_release=$("$py" -c 'from hicache_async_ack.upstream import installed_version as v; print(v())')
+venv_release=$("$py" -c 'from hicache_async_ack.guard import installed_version as v; print(v())')
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 summary=()

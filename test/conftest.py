@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hicache_async_ack.env import ENABLE_VAR
-from hicache_async_ack.testing.collectives import FakeGroup, MinHub
+from hicache_async_ack.sim.collectives import FakeGroup, MinHub
 
 
 @pytest.fixture(scope="session")
@@ -30,11 +30,13 @@ def plugin():
 def hub(plugin, monkeypatch):
     """Route the plugin's reduce through a one-rank MinHub (a programmable
     peer can join it); FakeGroup sizes stand in for world sizes."""
-    from hicache_async_ack import ack_sync
+    from hicache_async_ack import adapter
 
     hub = MinHub(world=1)
-    monkeypatch.setattr(ack_sync, "collective_factory", lambda group: hub.collective(0))
-    monkeypatch.setattr(ack_sync, "world_size", lambda g: g.size if isinstance(g, FakeGroup) else 1)
+    monkeypatch.setattr(
+        adapter.INSTALLED, "current", adapter.Collectives(async_min=lambda g: hub.collective(0))
+    )
+    monkeypatch.setattr(adapter, "world_size", lambda g: g.size if isinstance(g, FakeGroup) else 1)
     return hub
 
 
@@ -42,7 +44,8 @@ def hub(plugin, monkeypatch):
 def make_cache(plugin, hub, monkeypatch):
     """Build a real UnifiedRadixCache on a SimController and run the plugin's
     init_hicache hook on it (what SGLang does at server start)."""
-    from hicache_async_ack.testing.sim_cache import build_cache
+    from hicache_async_ack.features import ack_sync
+    from hicache_async_ack.sim.cache import build_cache
 
     def make(tp: int = 2, env: dict | None = None, **kwargs):
         for k, v in (env or {}).items():
@@ -54,7 +57,7 @@ def make_cache(plugin, hub, monkeypatch):
         # upstream's blocking _all_reduce as a world of one (the first pipelined
         # step's exchange runs through it); tests that watch it replace it
         sim.cache.__dict__["_all_reduce"] = lambda tensor, op: None
-        plugin.after_init_hicache(None, sim.cache)
+        ack_sync.after_init_hicache(None, sim.cache)
         return sim
 
     return make

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from hicache_async_ack import core, env
+from hicache_async_ack import stamp as stamp_mod
 from hicache_async_ack.core import (
     PROTOCOL_VERSION,
     HiCacheAckSyncError,
@@ -16,8 +17,8 @@ from hicache_async_ack.core import (
     Stamp,
     still_queued,
 )
-from hicache_async_ack.testing.collectives import MinHub
-from hicache_async_ack.testing.model_time import ModelClock, modelled
+from hicache_async_ack.sim.clock import ModelClock, modelled
+from hicache_async_ack.sim.collectives import MinHub
 
 
 class Ref:
@@ -32,7 +33,7 @@ class Ref:
 def test_core_imports_without_sglang():
     code = (
         "import sys, hicache_async_ack.core, hicache_async_ack.env,"
-        " hicache_async_ack.testing.collectives;"
+        " hicache_async_ack.sim.collectives;"
         "assert not any(m.startswith('sglang') for m in sys.modules), 'sglang imported';"
         "assert 'torch' not in sys.modules"
     )
@@ -122,7 +123,7 @@ def test_drain_reconciles_each_after_the_previous_pops():
 def test_stamp_round_trips_and_fits_an_int64(stamp):
     x = stamp.pack()
     assert Stamp.unpack(x) == stamp
-    assert core.STOCK_LIMIT <= x < 2**63 and -(2**63) <= -x
+    assert stamp_mod.STOCK_LIMIT <= x < 2**63 and -(2**63) <= -x
 
 
 def test_stamp_orders_agreed_fields_above_the_observation():
@@ -321,13 +322,13 @@ def test_auto_depth_follows_a_latency_that_comes_and_goes():
 
 # ---------------------------------------------------------------- digest folding
 def test_fold_digest_keeps_42_bit_digests_and_folds_the_rest():
-    assert core.fold_digest(0) == 0
-    assert core.fold_digest((1 << 42) - 1) == (1 << 42) - 1  # upstream's, as is
-    assert core.fold_digest(1 << 42) == 1  # bit 42 lands on bit 0
-    assert core.fold_digest((1 << 42) | 1) == 0
+    assert stamp_mod.fold_digest(0) == 0
+    assert stamp_mod.fold_digest((1 << 42) - 1) == (1 << 42) - 1  # upstream's, as is
+    assert stamp_mod.fold_digest(1 << 42) == 1  # bit 42 lands on bit 0
+    assert stamp_mod.fold_digest((1 << 42) | 1) == 0
     for d in (1 << 50, (1 << 63) - 1, 1 << 200, -1, -(1 << 45)):
-        assert 0 <= core.fold_digest(d) < 1 << 42
-    assert core.fold_digest(-1) != core.fold_digest(1)
+        assert 0 <= stamp_mod.fold_digest(d) < 1 << 42
+    assert stamp_mod.fold_digest(-1) != stamp_mod.fold_digest(1)
 
 
 @pytest.mark.parametrize("high_bit", [42, 50, 63, 100])

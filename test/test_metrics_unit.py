@@ -29,7 +29,7 @@ def test_a_second_label_set_in_one_process_does_not_raise(tmp_path):
         from prometheus_client import CollectorRegistry, generate_latest
         from prometheus_client.multiprocess import MultiProcessCollector
         from prometheus_client.parser import text_string_to_metric_families
-        from hicache_async_ack.sglang_plugin import metrics_for
+        from hicache_async_ack.features.ack_sync import metrics_for
 
         a = SimpleNamespace(metrics_collector=SimpleNamespace(
             labels=dict(cache_type="A", tp_rank=0, pp_rank=0, dp_rank=0)))

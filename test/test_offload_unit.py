@@ -6,25 +6,24 @@ from __future__ import annotations
 import pytest
 import torch.distributed
 
-from hicache_async_ack import offload_sync
 from hicache_async_ack.core import HiCacheAckSyncMismatch
 from hicache_async_ack.env import OFFLOAD_SYNC_VAR
-from hicache_async_ack.testing.collectives import FakeGroup
-from hicache_async_ack.testing.offload_sim import build_manager
+from hicache_async_ack.features import decode_offload as offload_sync
+from hicache_async_ack.sim.collectives import FakeGroup
+from hicache_async_ack.sim.offload import build_manager
 
 
 @pytest.fixture
 def this_release(plugin, monkeypatch):
     """The release the installed SGLang matches, as register() saw it (tests of the
     version guard call register() with other verdicts in the same process)."""
-    from hicache_async_ack.upstream import check_installed
+    from hicache_async_ack import guard
 
-    monkeypatch.setattr(plugin, "_release", check_installed().release)
-    monkeypatch.setattr(plugin, "_release_known", True)
+    monkeypatch.setattr(guard, "JUDGED", guard.Judged(guard.check_installed(), False, True))
 
 
 @pytest.fixture
-def agreement(monkeypatch):
+def agreement(hub, monkeypatch):
     """The one-time agreement as a world of one, plus an optional peer row."""
     box = {"peer": None, "calls": 0}
 
@@ -33,7 +32,13 @@ def agreement(monkeypatch):
         rows = [values] + ([box["peer"]] if box["peer"] is not None else [])
         return [min(col) for col in zip(*rows)]
 
-    monkeypatch.setattr(offload_sync, "agreement_reduce", reduce)
+    from dataclasses import replace
+
+    from hicache_async_ack import adapter
+
+    monkeypatch.setattr(
+        adapter.INSTALLED, "current", replace(adapter.collectives(), int32_min=reduce)
+    )
     return box
 
 
@@ -116,7 +121,7 @@ def test_setting_off_keeps_upstreams_reduce(make, hub, agreement):
 
 def test_stands_down_on_an_unverified_release_and_at_world_size_one():
     om = build_manager(FakeGroup(2), 2)
-    assert "verified on 0.5.21" in offload_sync.static_decision(om.manager, "0.5.20").reason
+    assert offload_sync.static_decision(om.manager, None).code == "untested_release"
     one = build_manager(None, 1)
     assert "world size 1" in offload_sync.static_decision(one.manager, "0.5.23").reason
 
@@ -127,7 +132,10 @@ def test_the_live_methods_are_the_verified_ones_under_our_hooks(plugin):
     )
 
     assert plugin.is_hooked(M.check_offload_progress)  # the fingerprint reads through it
-    assert offload_sync.changed_methods() == []
+    from hicache_async_ack.guard import check_installed
+
+    verdict = check_installed()  # the manager's methods are guard targets, read through hooks
+    assert verdict.feature_release("decode_offload") == verdict.release
 
 
 def test_metrics_count_what_the_sync_does():

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from hicache_async_ack.env import ALLOW_UNTESTED_VAR, ENABLE_VAR, PLUGINS_VAR
-from hicache_async_ack.upstream import installed_version
+from hicache_async_ack.guard import installed_version
 
 SYNC = "_sync_hicache_ready_counts"
 

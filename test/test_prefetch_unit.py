@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_async_ack import ack_sync, votes
+from hicache_async_ack import adapter, guard, votes
 from hicache_async_ack.env import ENABLE_VAR, PREFETCH_VOTES_VAR
-from hicache_async_ack.testing.collectives import MinHub
-from hicache_async_ack.testing.prefetch_sim import add_prefetch
+from hicache_async_ack.features import prefetch_votes
+from hicache_async_ack.sim.collectives import MinHub
+from hicache_async_ack.sim.prefetch import add_prefetch
 from hicache_async_ack.votes import HEADER, LAYOUT, PrefetchVoteMismatch
 
 NO_ACK_SYNC = {ENABLE_VAR: "0"}  # keep the ack reduce out of these hubs (hooks stay)
@@ -22,10 +23,7 @@ NO_ACK_SYNC = {ENABLE_VAR: "0"}  # keep the ack reduce out of these hubs (hooks 
 def this_release(plugin, monkeypatch):
     """The release the installed SGLang matches, as register() saw it (tests of the
     version guard call register() with other verdicts in the same process)."""
-    from hicache_async_ack.upstream import check_installed
-
-    monkeypatch.setattr(plugin, "_release", check_installed().release)
-    monkeypatch.setattr(plugin, "_release_known", True)
+    monkeypatch.setattr(guard, "JUDGED", guard.Judged(guard.check_installed(), False, True))
 
 
 @pytest.fixture
@@ -49,8 +47,12 @@ def make_prefetch(make_cache, plugin, vote_hub, monkeypatch, this_release):
 
         sim.cache.__dict__["_all_reduce"] = all_reduce
         h = hub or vote_hub
-        monkeypatch.setattr(ack_sync, "collective_factory", lambda group: h.collective(rank))
-        ps.state = plugin.attach_prefetch(sim.cache)
+        monkeypatch.setattr(
+            adapter.INSTALLED,
+            "current",
+            adapter.Collectives(async_min=lambda g: h.collective(rank)),
+        )
+        ps.state = prefetch_votes.attach(sim.cache)
         return ps
 
     return make
@@ -224,9 +226,9 @@ def test_pp_and_untested_releases_stand_down(make_prefetch, plugin, monkeypatch)
     ps = make_prefetch()
     ps.cache.__dict__["pp_size"] = 2
     assert "pp_size=2" in ps.state.eligible(ps.cache).reason
-    monkeypatch.setattr(plugin, "_release", "0.5.22")
-    state = plugin.attach_prefetch(ps.cache)
-    assert not state.static.pipelined and "0.5.23" in state.static.reason
+    monkeypatch.setattr(guard, "JUDGED", guard.Judged(None, False, True))  # no release matched
+    state = prefetch_votes.attach(ps.cache)
+    assert not state.static.pipelined and state.static.code == "untested_release"
 
 
 def test_the_setting_names_its_accepted_values():
@@ -249,11 +251,11 @@ def test_window_covers_every_operation_when_there_are_more_than_slots():
 
 
 def test_attention_cp_x_tp_stands_down(make_cache, plugin, this_release):
-    from hicache_async_ack.testing.collectives import FakeGroup
+    from hicache_async_ack.sim.collectives import FakeGroup
 
     sim = make_cache(
         tp=4, storage=True, attn_cp_group=FakeGroup(2, "cp"), attn_tp_group=FakeGroup(2, "atp")
     )
     add_prefetch(sim)
-    state = plugin.attach_prefetch(sim.cache)
+    state = prefetch_votes.attach(sim.cache)
     assert not state.static.pipelined and "attention CP x TP" in state.static.reason

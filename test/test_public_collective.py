@@ -4,7 +4,7 @@ SGLang-style unit tests with a stand-in group) sees our collective too."""
 
 from __future__ import annotations
 
-from hicache_async_ack import ack_sync
+from hicache_async_ack import adapter
 
 
 class _Work:
@@ -31,7 +31,7 @@ def test_the_collective_goes_through_torch_distributed_all_reduce(monkeypatch):
 
     monkeypatch.setattr(dist, "all_reduce", traced)
     group = object()  # a stand-in group, as SGLang-style unit tests pass
-    issue = ack_sync.torch_min_all_reduce(group)
+    issue = adapter.torch_min_all_reduce(group)
     handle = issue([2, 0, 9, -9])
     assert calls == [([2, 0, 9, -9], dist.ReduceOp.MIN, group, True)]
     assert handle.is_completed() and handle.wait() == [2, 0, 9, -9]

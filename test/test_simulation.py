@@ -18,11 +18,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache_async_ack import ack_sync, core
+from hicache_async_ack import adapter, core
 from hicache_async_ack.env import DEPTH_VAR
+from hicache_async_ack.sim.clock import ModelClock, modelled
+from hicache_async_ack.sim.collectives import MinHub
 from hicache_async_ack.testing import scenarios
-from hicache_async_ack.testing.collectives import MinHub
-from hicache_async_ack.testing.model_time import ModelClock, modelled
 from hicache_async_ack.testing.scenarios import (
     ACK_KINDS,
     COLLECTIVE_EVENTS,
@@ -35,8 +35,12 @@ from hicache_async_ack.testing.scenarios import (
 def _route_through_hub(mp: pytest.MonkeyPatch) -> None:
     """The hub as the collective; the scenarios' settings (they write them to
     os.environ, as a rank would) restored for the tests that run after."""
-    mp.setattr(ack_sync, "collective_factory", lambda g: g.hub.collective(g.rank))
-    mp.setattr(ack_sync, "world_size", lambda g: g.size)
+    mp.setattr(
+        adapter.INSTALLED,
+        "current",
+        adapter.Collectives(async_min=lambda g: g.hub.collective(g.rank)),
+    )
+    mp.setattr(adapter, "world_size", lambda g: g.size)
     mp.setattr(scenarios, "process_settings", None)
     for var in scenarios.SETTINGS_VARS:
         mp.delenv(var, raising=False)

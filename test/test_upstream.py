@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from hicache_async_ack import fingerprint, sglang_plugin, upstream
+from hicache_async_ack import fingerprint, sglang_plugin
+from hicache_async_ack import guard as upstream
 from hicache_async_ack.env import ALLOW_UNTESTED_VAR, ENABLE_VAR
 from hicache_async_ack.fingerprint import fingerprint_function
+from hicache_async_ack.guard import TARGETS, check_installed
 from hicache_async_ack.testing.drift import (
     drifted,
     drifted_module_source,
@@ -23,7 +25,6 @@ from hicache_async_ack.testing.drift import (
     renamed_last_param,
 )
 from hicache_async_ack.tools import doctor, releases
-from hicache_async_ack.upstream import TARGETS, check_installed
 
 ROOT = Path(__file__).resolve().parents[1]
 SYNC = "_sync_hicache_ready_counts"
@@ -173,7 +174,10 @@ def test_table_is_current_and_covers_every_target():
     assert upstream.tested_releases() == sorted(table, key=upstream.release_key)
     for release, prints in table.items():
         assert set(prints) == names, release
-        assert all(prints.values()), release
+        # the ack sync's targets exist on every tested release; another feature's
+        # may be recorded absent (null): that feature stays off there
+        ack = [t.qualname for t in TARGETS if upstream.ACK in t.features]
+        assert ack and all(prints[q] for q in ack), release
 
 
 def test_table_of_another_scheme_is_refused(tmp_path):
@@ -281,11 +285,21 @@ def test_version_range(version, inside):
 
 
 # ---------------------------------------------------- register() acts on it
+def expected_hooks() -> int:
+    from hicache_async_ack.features import all_features
+
+    verdict = upstream.check_installed()
+    features = all_features()
+    assert len(features) == 3
+    return sum(
+        len(f.hooks) for f in features if not verdict.missing_methods(h.method for h in f.hooks)
+    )
+
+
 def test_tested_release_registers_and_logs_the_match(registered, caplog):
     hooks = registered()
-    # the decode offload hooks come on the releases whose offload path was verified
-    offload = sglang_plugin.matched_release() in sglang_plugin.offload_sync.VERIFIED_RELEASES
-    assert len(hooks) == len(sglang_plugin.HOOKS) + offload * len(sglang_plugin.OFFLOAD_HOOKS)
+    # every feature whose hooked methods this SGLang has (0.5.20: no decode offload)
+    assert hooks and len(hooks) == expected_hooks()
     installed = upstream.installed_version()
     assert f"SGLang {installed} matches tested release {installed}" in caplog.text
 
@@ -304,7 +318,7 @@ def test_drifted_method_leaves_plugin_inert_naming_it(registered, caplog, monkey
 
 def test_allow_untested_registers_with_loud_warning(registered, caplog, monkeypatch, cache_cls):
     monkeypatch.setattr(cache_cls, SYNC, drifted(getattr(cache_cls, SYNC)))
-    assert len(registered(**{ALLOW_UNTESTED_VAR: "1"})) == len(sglang_plugin.HOOKS)
+    assert len(registered(**{ALLOW_UNTESTED_VAR: "1"})) == expected_hooks()
     assert "RUNNING ON AN UNTESTED SGLANG" in caplog.text and SYNC_QUALNAME in caplog.text
 
 
@@ -410,3 +424,32 @@ def test_release_check_unknown_release_fails_cleanly(fake_wheels, capsys, monkey
     monkeypatch.setattr(releases, "_pip", lambda *a: None)  # "downloads" nothing
     assert releases.main(["check", "9.9.7"]) == 2
     assert "no wheel or sdist of sglang==9.9.7" in capsys.readouterr().err
+
+
+def test_a_recorded_release_turns_every_feature_on():
+    """One table for all three features: a release whose methods of every feature
+    differ from each tested one leaves all three off; recording it (what
+    `releases record --add` writes) turns all three on."""
+    from dataclasses import replace
+
+    probes = [upstream.probe_live(t) for t in TARGETS]
+    features = ("ack_counts", "prefetch_votes", "decode_offload")
+    changed = {}
+    for feature in features:  # one method of each feature changed in the new release
+        i = next(
+            i
+            for i, p in enumerate(probes)
+            if p.target.features == (feature,)
+            or (feature == "ack_counts" and p.target.qualname.endswith("writing_check"))
+        )
+        probes[i] = replace(probes[i], fingerprint=f"new-{feature}")
+        changed[feature] = probes[i].target.qualname
+    assert len(set(changed.values())) == 3
+    table = upstream.load_table()
+    before = upstream.judge(probes, "0.5.24", table)
+    assert [before.feature_release(f) for f in features] == [None, None, None]
+    assert before.status == "untested"
+    recorded = {**table, "0.5.24": {p.target.qualname: p.fingerprint for p in probes}}
+    after = upstream.judge(probes, "0.5.24", recorded)
+    assert after.status == "tested"
+    assert [after.feature_release(f) for f in features] == ["0.5.24"] * 3

@@ -33,120 +33,22 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Mapping, NoReturn, Optional, Protocol, Sequence
+from typing import Callable, Hashable, Mapping, NoReturn, Optional, Sequence
 
-# The wire protocol of the pipelined reduce: bump it whenever what a reduce
-# means changes (its layout, the stamp, when it is consumed). Its place at the
-# top of the stamp never moves, so any two versions can tell they differ.
-PROTOCOL_VERSION = 1
-
-OBS_BITS = 12  # the per-rank observation (auto depth's wait signal)
-DIGEST_BITS = 42  # upstream's reclaim digest is masked to 42 bits
-DEPTH_BITS = 4
-AUTO_BITS = 1
-PROTOCOL_BITS = 4
-assert PROTOCOL_BITS + AUTO_BITS + DEPTH_BITS + DIGEST_BITS + OBS_BITS == 63  # x, -x: int64
-OBS_MAX = (1 << OBS_BITS) - 1
-DEPTH_LIMIT = (1 << DEPTH_BITS) - 1
-STOCK_LIMIT = 1 << DIGEST_BITS  # upstream's own [digest, -digest] stays below this
-
-
-class HiCacheAckSyncError(RuntimeError):
-    """The HiCache ack sync cannot continue on this rank (peer died, timeout,
-    divergence, ranks that disagree). Never retried: a retry would
-    desynchronise the collectives."""
-
-
-class HiCacheAckSyncMismatch(HiCacheAckSyncError):
-    """The ranks of the group disagree on the protocol, its settings, or the
-    reclaim digest; raised on every pipelining rank before anything is popped."""
-
-
-class Handle(Protocol):
-    def wait(self) -> Sequence[int]:
-        """Block until the MIN-reduce is complete; return the reduced values."""
-
-    def is_completed(self) -> bool:
-        """Whether wait() would return at once."""
-
-
-# values -> Handle. Must be issued by every rank in the same order.
-Collective = Callable[[list[int]], Handle]
-
-
-@dataclass(frozen=True)
-class Stamp:
-    """What rides in the ``[x, -x]`` slot of every reduce."""
-
-    protocol: int
-    auto: bool
-    depth: int
-    digest: int
-    obs: int = 0
-
-    # the fields every rank must share, most significant first
-    AGREED = ("protocol", "auto", "depth", "digest")
-
-    def pack(self) -> int:
-        return pack_stamp(self.protocol, self.auto, self.depth, self.digest, self.obs)
-
-    @classmethod
-    def unpack(cls, x: int) -> Stamp:
-        obs, x = x & OBS_MAX, x >> OBS_BITS
-        digest, x = x & (STOCK_LIMIT - 1), x >> DIGEST_BITS
-        depth, x = x & DEPTH_LIMIT, x >> DEPTH_BITS
-        auto, x = bool(x & 1), x >> AUTO_BITS
-        return cls(protocol=x, auto=auto, depth=depth, digest=digest, obs=obs)
-
-
-def fold_digest(digest: int) -> int:
-    """``digest`` in 42 bits. Upstream's tree cores mask theirs to 42 bits (kept
-    as is); a wider one (a registered external tree core) has its high bits
-    XOR-folded into the low 42, so a divergence above bit 42 still changes the
-    result, where ``% 2**42`` would drop it. Negative values are read as
-    two's complement (a digest taken from an int64 tensor)."""
-    d = int(digest)
-    if d < 0:
-        d &= (1 << max(64, d.bit_length() + 1)) - 1
-    while d >= STOCK_LIMIT:
-        d = (d & (STOCK_LIMIT - 1)) ^ (d >> DIGEST_BITS)
-    return d
-
-
-def pack_stamp(protocol: int, auto: bool, depth: int, digest: int, obs: int) -> int:
-    """A :class:`Stamp` as the int that rides in the reduce (a digest wider than
-    42 bits is folded into 42: equal digests stay equal)."""
-    x = (protocol << AUTO_BITS) | int(auto)
-    x = (x << DEPTH_BITS) | depth
-    x = (x << DIGEST_BITS) | fold_digest(digest)
-    return (x << OBS_BITS) | min(max(obs, 0), OBS_MAX)
-
-
-def describe_mismatch(mine: Stamp, lo: Stamp, hi: Stamp, hints: Mapping[str, str]) -> str:
-    """Why the group's stamps differ, for the operator: the most significant
-    field that differs between the group's min and max (exact min and max for
-    that field), this rank's value, and what to set."""
-    if lo.protocol == 0:
-        return (
-            "this node pipelines, a peer does not: a peer rank ran SGLang's blocking ack "
-            f"sync on this reduce (it sent a bare digest, {lo.digest}, not a stamp): "
-            f"{hints.get('stock', 'it does not pipeline')}"
-        )
-    for name in Stamp.AGREED:
-        a, b, me = getattr(lo, name), getattr(hi, name), getattr(mine, name)
-        if a != b:
-            what = {
-                "protocol": "the pipelined ack-sync protocol version",
-                "auto": "the lag depth mode (1 = auto)",
-                "depth": "the lag depth",
-                "digest": "the write_back duplicate-reclaim digest (ranks diverged)",
-            }[name]
-            return (
-                f"{what} differs across the group: this rank {int(me)}, group min "
-                f"{int(a)}, max {int(b)}. {hints.get(name, '')}".rstrip()
-            )
-    return f"the stamps differ (group min {lo}, max {hi}, this rank {mine})"
-
+from .stamp import (
+    DEPTH_LIMIT,
+    OBS_BITS,
+    OBS_MAX,
+    PROTOCOL_VERSION,
+    Collective,
+    Handle,
+    HiCacheAckSyncError,
+    HiCacheAckSyncMismatch,
+    Stamp,
+    describe_mismatch,
+    fold_digest,
+    pack_stamp,
+)
 
 # ------------------------------------------------------------------ auto depth
 WAIT_FLOOR_S = 200e-6  # shorter waits are noise (the collective's own cost), not latency

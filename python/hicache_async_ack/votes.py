@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping, NoReturn, Optional, Sequence
 
-from .core import (
+from .stamp import (
     OBS_BITS,
     STOCK_LIMIT,
     Collective,

@@ -1,4 +1,4 @@
-"""Test support, named as such: a real UnifiedRadixCache around a simulated
-cache controller, the traffic model, a fake MIN collective, the CP x TP layout,
-and seeded scenarios for real-gloo and in-process ranks. Used by the test suite
-and by ``hicache-async-ack bench``; never by the plugin itself."""
+"""Test-only support: seeded lifecycle scenarios for real-gloo and in-process
+ranks, the checks they end with, and a drifted upstream method for the guard's
+tests. Built on :mod:`hicache_async_ack.sim`; never used by the plugin or the
+shipped tools."""

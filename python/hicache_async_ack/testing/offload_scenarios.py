@@ -17,7 +17,7 @@ import random
 import traceback
 
 from ..env import ENABLE_VAR, OFFLOAD_SYNC_VAR
-from .offload_sim import build_manager
+from ..sim.offload import build_manager
 from .spec_ranks import run_specs
 
 VARS = (ENABLE_VAR, OFFLOAD_SYNC_VAR)
@@ -58,7 +58,7 @@ def run_offload_scenario(spec: dict, rank: int, world: int, group) -> dict:
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["traceback"] = traceback.format_exc()
         out["error_step"] = step
-    from ..offload_sync import state_of
+    from ..features.decode_offload import state_of
 
     state = state_of(om.manager)
     out.update(

@@ -25,15 +25,16 @@ import traceback
 from types import SimpleNamespace
 
 from ..env import ENABLE_VAR, PREFETCH_VOTES_VAR
-from .prefetch_sim import add_prefetch
-from .sim_cache import build_cache
+from ..sim.cache import build_cache
+from ..sim.prefetch import add_prefetch
 from .spec_ranks import run_specs
 
 VARS = (ENABLE_VAR, PREFETCH_VOTES_VAR)
 
 
 def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
-    from ..sglang_plugin import after_init_hicache, after_init_hicache_prefetch
+    from ..features.ack_sync import after_init_hicache
+    from ..features.prefetch_votes import after_init_hicache as after_init_hicache_prefetch
 
     clock = SimpleNamespace(now=-1)
     sim = build_cache(tp_group=group, tp_world_size=world, storage=True)
@@ -97,7 +98,7 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["traceback"] = traceback.format_exc()
         out["error_pass"] = p
-    from ..prefetch_sync import state_of
+    from ..features.prefetch_votes import state_of
 
     state = state_of(cache)
     out.update(

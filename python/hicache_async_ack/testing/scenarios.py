@@ -28,13 +28,12 @@ from types import SimpleNamespace
 from typing import Optional
 
 from .. import core
-from ..ack_sync import state_of
 from ..env import DEPTH_VAR, ENABLE_VAR
-from ..sglang_plugin import after_init_hicache
-from .model_time import ModelClock, modelled
-from .sim_cache import build_cache
+from ..features.ack_sync import after_init_hicache, state_of
+from ..sim.cache import build_cache
+from ..sim.clock import ModelClock, modelled
+from ..sim.traffic import StepClock, Traffic, TrafficSpec
 from .spec_ranks import apply_env
-from .traffic import StepClock, Traffic, TrafficSpec
 
 EVENTS = (
     "write_back_flush",
@@ -61,7 +60,7 @@ process_settings: Optional[dict[str, Optional[str]]] = None
 # In-tree mode (payload "in_tree"): the SGLang on the path carries the ack sync
 # itself (hicache-async-ack upstream-patch), the plugin is not loaded, and the
 # cache gets its HiCacheAckSync as the patched init_hicache creates it.
-IN_TREE_MODULE = "sglang.srt.mem_cache.hicache_ack_sync"
+IN_TREE_MODULE = "sglang.srt.mem_cache.unified_cache.hicache_ack_sync"
 _in_tree = False
 
 
@@ -226,14 +225,9 @@ class RankDriver:
 
 
 def attach_in_tree(cache) -> None:
-    """What the patched init_hicache ends with. Its PD-decode check reads a
-    config bag that only a server publishes: not decode here."""
-    from unittest import mock
-
+    """What the patched init_hicache ends with (a server that is not PD decode)."""
     intree = importlib.import_module(IN_TREE_MODULE)
-    not_decode = SimpleNamespace(disaggregation_mode="null")
-    with mock.patch.object(intree, "get_disagg", return_value=not_decode):
-        cache.ack_sync = intree.HiCacheAckSync.create(cache)
+    cache.ack_sync = intree.HiCacheAckSync.create(cache, "null")
 
 
 class InTreeState:
@@ -297,7 +291,7 @@ def run_specs(ctx, payload: dict) -> dict:
     import torch.distributed as dist
     from sglang.srt.plugins import load_plugins
 
-    from .layout import create_groups
+    from ..sim.layout import create_groups
 
     load_plugins()
     _in_tree = bool(payload.get("in_tree"))

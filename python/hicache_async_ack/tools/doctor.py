@@ -35,7 +35,7 @@ from ..env import (
     parse_depth,
     plugin_whitelisted,
 )
-from ..upstream import check_installed
+from ..guard import check_installed
 from .options import int_in, subcommand
 from .ranks import Job, run_ranks
 
@@ -137,8 +137,6 @@ def _add_prefetch_votes(rep: Report) -> None:
     """The storage-prefetch votes: their setting and whether this SGLang's prefetch
     path is one they pipeline (informational: they never make the plugin inactive,
     except an invalid value, which stops the server)."""
-    from ..prefetch_sync import release_blocker
-
     raw = os.environ.get(PREFETCH_VOTES_VAR)
     shown = "unset" if raw is None else repr(raw)
     try:
@@ -152,10 +150,12 @@ def _add_prefetch_votes(rep: Report) -> None:
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        why = release_blocker(check_installed().release)
+        verdict = check_installed()
+    matched = verdict.feature_matched("prefetch_votes")
     where = (
-        f"stands down on this SGLang ({why})"
-        if why
+        "stands down on this SGLang (the guard matched no tested release for its "
+        f"methods; tested: {', '.join(verdict.tested)})"
+        if not matched
         else "pipelined with a storage backend under the timeout policy (TP > 1, no PP)"
     )
     rep.add(PREFETCH_VOTES_VAR, f"{shown} -> on: prefetch termination votes {where}")
@@ -171,14 +171,15 @@ def _add_offload_sync(rep: Report) -> None:
         rep.add(OFFLOAD_SYNC_VAR, f"{shown} -> INVALID: {exc}")
         rep.block(f"{OFFLOAD_SYNC_VAR} is invalid: the server would not start")
         return
-    from ..offload_sync import VERIFIED_RELEASES
-
-    release = check_installed().release
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        verdict = check_installed()
+    matched = verdict.feature_matched("decode_offload")
     where = (
         "pipelined with --disaggregation-decode-enable-offload-kvcache (TP > 1)"
-        if release in VERIFIED_RELEASES
-        else f"not hooked on this SGLang ({release or 'untested'}; verified on "
-        f"{', '.join(VERIFIED_RELEASES)})"
+        if matched
+        else f"not pipelined on this SGLang (the guard matched no tested release for "
+        f"DecodeKVCacheOffloadManager's methods; tested: {', '.join(verdict.tested)})"
     )
     rep.add(OFFLOAD_SYNC_VAR, f"{shown} -> {'on: decode offload sync ' + where if on else 'off'}")
 

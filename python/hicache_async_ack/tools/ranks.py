@@ -321,3 +321,17 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def preload(quiet: bool, *modules: str) -> None:
+    """Import SGLang and the rank target's modules once, before forking the ranks."""
+    import warnings
+
+    t = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for module in (*SGLANG_PRELOAD, *modules):
+            importlib.import_module(module)
+    if not quiet:
+        took = time.monotonic() - t
+        print(f"imported sglang once for all ranks in {took:.1f} s", file=sys.stderr)

@@ -33,9 +33,9 @@ import zipfile
 from pathlib import Path
 from typing import Callable, Optional
 
-from .. import upstream
+from .. import guard as upstream
 from ..fingerprint import find_def, module_source_path, without_docstring
-from ..upstream import TABLE_PATH, Verdict, judge, probe_sources, release_key
+from ..guard import TABLE_PATH, Verdict, judge, probe_sources, release_key
 from .options import ToolError
 
 PIP_TIMEOUT_S = 600.0
@@ -118,7 +118,12 @@ def record(releases: list[str], path: Path = TABLE_PATH) -> dict:
     table: dict[str, dict[str, Optional[str]]] = {}
     for release in sorted(set(releases), key=release_key):
         wheel, probes = probe_release(release)
-        missing = [p.target.qualname for p in probes if p.missing]
+        # A method the ack sync needs must be there; one only another feature
+        # needs is recorded as absent (null): that feature stays off there (the
+        # decode offload sync on 0.5.20, the prefetch votes before 0.5.23).
+        missing = [
+            p.target.qualname for p in probes if p.missing and upstream.ACK in p.target.features
+        ]
         if missing:
             raise ToolError(f"sglang {release} ({wheel.name}) lacks {', '.join(missing)}")
         table[release] = {p.target.qualname: p.fingerprint for p in probes}

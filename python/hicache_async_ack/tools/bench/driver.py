@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import os
 import platform
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
 from ... import __version__
 from ...env import DEPTH_AUTO, DEPTH_DEFAULT, DEPTH_MAX, DEPTH_VAR, PLUGINS_VAR
 from ..options import ToolError, int_in, nonneg_float, subcommand
-from ..ranks import SGLANG_PRELOAD, Job, run_ranks
+from ..ranks import Job, preload, run_ranks
 from . import offload, plot, prefetch, summary
 from .workload import BLOCKING_PLUGINS, COPY_MS, KINDS, LOCAL_POPS, ArmSpec, Schedule
 
@@ -26,7 +24,8 @@ MIN_STEPS = 20
 DEFAULT_STEPS = 400
 DEFAULT_WARMUP = 20
 GROUP_TIMEOUT_S = 60.0  # every gloo collective; a dead peer surfaces within this
-RANK_TARGET = "hicache_async_ack.tools.bench.rank_loop:bench_rank"
+BENCH_RANK_MODULE = "hicache_async_ack.tools.bench.rank_loop"
+RANK_TARGET = f"{BENCH_RANK_MODULE}:bench_rank"
 
 
 def versions() -> dict:
@@ -137,18 +136,6 @@ def config_of(args) -> dict:
     }
 
 
-def preload(quiet: bool) -> None:
-    """Import what the ranks need once, before forking them."""
-    t = time.monotonic()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for module in (*SGLANG_PRELOAD, RANK_TARGET.partition(":")[0]):
-            importlib.import_module(module)
-    if not quiet:
-        took = time.monotonic() - t
-        print(f"imported sglang once for all ranks in {took:.1f} s", file=sys.stderr)
-
-
 def report(cfg: dict, figures: dict, lim: dict, load_at_start) -> None:
     print(f"hicache-async-ack bench {__version__}: {title_of(cfg)}")
     if load_at_start is not None:
@@ -211,7 +198,7 @@ def run(args) -> int:
         return offload.run(args)
     cfg = config_of(args)
     load_at_start = os.getloadavg() if hasattr(os, "getloadavg") else None
-    preload(args.quiet)
+    preload(args.quiet, BENCH_RANK_MODULE)
     schedule = Schedule(cfg["latency_phases"], cfg["warmup"])
     figures = {}
     for spec in arm_specs(tuple(cfg["arms"]), tuple(cfg["depths"])):
@@ -228,7 +215,7 @@ def run(args) -> int:
 
 
 # ------------------------------------------------------------------ options
-def _parse_list(flag: str, raw: str, item, accepted: str) -> tuple:
+def parse_list(flag: str, raw: str, item, accepted: str) -> tuple:
     """A comma-separated option value; names the accepted values when it fails."""
     picked = [x.strip() for x in raw.split(",") if x.strip()]
     try:
@@ -253,7 +240,7 @@ def _known(choices: tuple[str, ...]):
 
 def parse_arms(raw: str) -> tuple[str, ...]:
     accepted = f"a comma-separated list without repeats of {', '.join(KINDS)}"
-    arms = _parse_list("--arms", raw, _known(KINDS), accepted)
+    arms = parse_list("--arms", raw, _known(KINDS), accepted)
     if len(set(arms)) != len(arms):
         raise argparse.ArgumentTypeError(f"invalid --arms {raw!r}; accepted values: {accepted}")
     return arms
@@ -269,7 +256,7 @@ def _depth(x: str) -> str:
 
 def parse_depths(raw: str) -> tuple[str, ...]:
     accepted = f"integers from 1 to {DEPTH_MAX} or {DEPTH_AUTO!r}, comma-separated"
-    return tuple(dict.fromkeys(_parse_list("--depth", raw, _depth, accepted)))
+    return tuple(dict.fromkeys(parse_list("--depth", raw, _depth, accepted)))
 
 
 def _phase(x: str) -> tuple[float, int]:
@@ -287,7 +274,7 @@ def parse_latency(raw: str) -> tuple[tuple[float, int], ...]:
         "a number >= 0 (milliseconds), or phases MS:STEPS,...,MS "
         "(each phase but the last with its measured step count)"
     )
-    phases = _parse_list("--inject-latency-ms", raw, _phase, accepted)
+    phases = parse_list("--inject-latency-ms", raw, _phase, accepted)
     if any(n == 0 for _, n in phases[:-1]) or (len(phases) > 1 and phases[-1][1]):
         raise argparse.ArgumentTypeError(
             f"invalid --inject-latency-ms {raw!r}; accepted values: {accepted}"

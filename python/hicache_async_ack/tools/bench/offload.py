@@ -19,9 +19,10 @@ import time
 
 from ...env import ENABLE_VAR, ENTRY_POINT_NAME, OFFLOAD_SYNC_VAR, PLUGINS_VAR
 from ..options import ToolError
-from ..ranks import Job, run_ranks
+from ..ranks import Job, preload, run_ranks
 
 ARMS = ("blocking", "pipelined", "bound")
+BENCH_RANK_MODULE = "hicache_async_ack.tools.bench.rank_loop"  # preloaded as the ack bench does
 RANK_TARGET = "hicache_async_ack.tools.bench.offload:offload_rank"
 
 
@@ -30,8 +31,8 @@ def offload_rank(ctx, cfg: dict) -> dict:
     import torch.distributed as dist
     from sglang.srt.plugins import load_plugins
 
-    from ...testing.collectives import delayed
-    from ...testing.offload_sim import build_manager
+    from ...sim.collectives import delayed
+    from ...sim.offload import build_manager
 
     arm, world = cfg["arm"], ctx.world_size
     latency_s = cfg["latency_ms"] / 1000.0
@@ -41,10 +42,9 @@ def offload_rank(ctx, cfg: dict) -> dict:
         os.environ[PLUGINS_VAR] = "none_selected"
     load_plugins()
     if arm == "pipelined" and latency_s:
-        from ... import ack_sync
+        from ... import adapter
 
-        base = ack_sync.collective_factory
-        ack_sync.collective_factory = lambda g: delayed(base(g), lambda: latency_s)
+        adapter.use_async_min(lambda base: lambda g: delayed(base(g), lambda: latency_s))
     real = torch.distributed.all_reduce
     if arm == "bound":
         torch.distributed.all_reduce = lambda *a, **k: None
@@ -84,7 +84,7 @@ def offload_rank(ctx, cfg: dict) -> dict:
     window_s = time.perf_counter() - t_window
     torch.distributed.all_reduce = real
     dist.barrier()
-    from ...offload_sync import state_of
+    from ...features.decode_offload import state_of
 
     state = state_of(om.manager)
     return {
@@ -100,8 +100,6 @@ def offload_rank(ctx, cfg: dict) -> dict:
 def run(args) -> int:
     import numpy as np
 
-    from .driver import preload
-
     tp = args.tp
     latency = args.inject_latency_ms[0][0] if args.inject_latency_ms else 0.0
     cfg = {
@@ -112,7 +110,7 @@ def run(args) -> int:
         "latency_ms": latency,
         "seed": args.seed,
     }
-    preload(args.quiet)
+    preload(args.quiet, BENCH_RANK_MODULE)
     rows = {}
     for arm in ARMS:
         job = Job(

@@ -28,9 +28,10 @@ from typing import Optional
 
 from ...env import ENABLE_VAR, ENTRY_POINT_NAME, PLUGINS_VAR, PREFETCH_VOTES_VAR
 from ..options import ToolError
-from ..ranks import Job, run_ranks
+from ..ranks import Job, preload, run_ranks
 
 ARMS = ("blocking", "acks_only", "pipelined", "bound")
+BENCH_RANK_MODULE = "hicache_async_ack.tools.bench.rank_loop"  # preloaded as the ack bench does
 RANK_TARGET = "hicache_async_ack.tools.bench.prefetch:prefetch_rank"
 
 
@@ -51,20 +52,20 @@ def prefetch_rank(ctx, cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ...sglang_plugin import after_init_hicache, after_init_hicache_prefetch
-    from ...testing.collectives import delayed
-    from ...testing.prefetch_sim import add_prefetch
-    from ...testing.sim_cache import build_cache
+    from ...features.ack_sync import after_init_hicache
+    from ...features.prefetch_votes import after_init_hicache as after_init_hicache_prefetch
+    from ...sim.cache import build_cache
+    from ...sim.collectives import delayed
+    from ...sim.prefetch import add_prefetch
     from .workload import delayed_all_reduce, local_no_op
 
     arm, world = cfg["arm"], ctx.world_size
     latency_s = cfg["latency_ms"] / 1000.0
     _load(arm)
     if latency_s and arm in ("pipelined", "acks_only"):
-        from ... import ack_sync
+        from ... import adapter
 
-        base = ack_sync.collective_factory
-        ack_sync.collective_factory = lambda g: delayed(base(g), lambda: latency_s)
+        adapter.use_async_min(lambda base: lambda g: delayed(base(g), lambda: latency_s))
     sim = build_cache(tp_group=dist.group.WORLD, tp_world_size=world, storage=True)
     clock = SimpleNamespace(now=0)
     ps = add_prefetch(sim, deadline=lambda op: clock.now >= op.bench_deadline)
@@ -128,7 +129,7 @@ def prefetch_rank(ctx, cfg: dict) -> dict:
         ctx.report(p + 1)
     window_s = time.perf_counter() - t_window
     dist.barrier()
-    from ...prefetch_sync import state_of
+    from ...features.prefetch_votes import state_of
 
     state = state_of(cache)
     return {
@@ -165,9 +166,8 @@ def run(args) -> int:
         "step_ms": args.step_ms,
         "latency_ms": latency,
     }
-    from .driver import preload
 
-    preload(args.quiet)
+    preload(args.quiet, BENCH_RANK_MODULE)
     rows: dict[str, dict] = {}
     for arm in ARMS:
         job = Job(

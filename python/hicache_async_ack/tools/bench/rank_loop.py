@@ -70,7 +70,7 @@ def timed_check(arm: workload.Arm, rec: Record, step: int, measured: bool) -> No
 
 
 def current_depth(arm: workload.Arm) -> int:
-    from ... import ack_sync
+    from ...features import ack_sync
 
     state = ack_sync.state_of(arm.sim.cache) if arm.sim is not None else None
     return state.sync.depth if state is not None and state.sync is not None else 0

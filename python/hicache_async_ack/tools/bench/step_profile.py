@@ -16,7 +16,7 @@ upstream's size, three ways, interleaved in blocks so that load on the box
 falls on all of them alike: a fresh tensor and ``dist.all_reduce`` (what the
 plugin did first), a preallocated tensor and ``dist.all_reduce``, and a
 preallocated tensor and the process group's own ``allreduce`` (what
-``ack_sync.torch_min_all_reduce`` does).
+``adapter.torch_min_all_reduce`` does).
 """
 
 from __future__ import annotations
@@ -55,11 +55,11 @@ class _Echo:
 
 
 def _sim_cache(arm: str):
-    from ... import ack_sync
-    from ...testing.sim_cache import build_cache
+    from ... import adapter
+    from ...sim.cache import build_cache
 
-    ack_sync.collective_factory = lambda group: _Echo
-    ack_sync.world_size = lambda group: 2
+    adapter.use_async_min(lambda base: lambda group: _Echo)
+    adapter.world_size = lambda group: 2  # a profiling stand-in: no process group here
     sim = build_cache(tp_group=object(), tp_world_size=2, storage=True)
     if arm == "bound":
         sim.cache.__dict__["_all_reduce"] = lambda data, op: None
@@ -71,7 +71,7 @@ def python_cost(steps: int, cprofile: bool) -> None:
     from sglang.srt.plugins import load_plugins
 
     from ...env import ENTRY_POINT_NAME, PLUGINS_VAR
-    from ...testing.traffic import StepClock, Traffic
+    from ...sim.traffic import StepClock, Traffic
     from .workload import TRAFFIC
 
     runs = ("bound", "pipelined", "pipelined") if cprofile else ("bound", "pipelined")
@@ -110,7 +110,7 @@ def collective_rank(ctx, cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from ... import ack_sync
+    from ... import adapter
 
     group = dist.group.WORLD
     size = cfg["size"]
@@ -118,7 +118,7 @@ def collective_rank(ctx, cfg: dict) -> dict:
     pre = torch.zeros(size, dtype=torch.int64)
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MIN
-    plugin = ack_sync.torch_min_all_reduce(group)
+    plugin = adapter.torch_min_all_reduce(group)
 
     def fresh_dist():
         t = torch.tensor(values, dtype=torch.int64)
@@ -140,7 +140,7 @@ def collective_rank(ctx, cfg: dict) -> dict:
         "fresh tensor + dist.all_reduce": fresh_dist,
         "prealloc + dist.all_reduce": prealloc_dist,
         "prealloc + ProcessGroup.allreduce": prealloc_pg,
-        "ack_sync.torch_min_all_reduce": plugin_collective,
+        "adapter.torch_min_all_reduce": plugin_collective,
     }
     issue: dict[str, list[float]] = {w: [] for w in ways}
     wait: dict[str, list[float]] = {w: [] for w in ways}

@@ -152,13 +152,13 @@ def limits(figures: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
-def _fmt(v, spec=".3f", none="-") -> str:
+def fmt(v, spec=".3f", none="-") -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return none
     return format(v, spec)
 
 
-def _pct(rel: Optional[float], spec=".2f") -> str:
+def pct(rel: Optional[float], spec=".2f") -> str:
     return "-" if rel is None or math.isnan(rel) else f"{rel * 100:{spec}}%"
 
 
@@ -186,17 +186,17 @@ def format_table(figures: dict[str, dict]) -> str:
         rows.append(
             (
                 arm,
-                _fmt(c.get("median")),
-                _fmt(c.get("p90")),
-                _fmt(c.get("p99")),
-                _fmt(s["bcast_ms"]["median"]),
-                _fmt(s["bcast_ms"]["after_last_rank_median"]),
-                _fmt(s["step_ms_median"], ".2f"),
-                _fmt(s["steps_per_s"], ".2f"),
-                _pct(s["throughput_vs_l1"]),
-                _pct(s["throughput_vs_bound"]),
+                fmt(c.get("median")),
+                fmt(c.get("p90")),
+                fmt(c.get("p99")),
+                fmt(s["bcast_ms"]["median"]),
+                fmt(s["bcast_ms"]["after_last_rank_median"]),
+                fmt(s["step_ms_median"], ".2f"),
+                fmt(s["steps_per_s"], ".2f"),
+                pct(s["throughput_vs_l1"]),
+                pct(s["throughput_vs_bound"]),
                 str(s["acks_popped"] + s["storage_popped"]),
-                _fmt(s["mean_lag_steps"], ".2f"),
+                fmt(s["mean_lag_steps"], ".2f"),
                 str(len(s["violations"])),
             )
         )
@@ -210,11 +210,11 @@ def format_limits(lim: dict[str, dict]) -> str:
         rows.append(
             (
                 arm,
-                _pct(x["sync_cost_left"], ".1f"),
-                _pct(x["collective_share"], ".1f"),
-                _pct(x["plugin_share"], ".1f"),
-                _pct(x["vs_bound_steps"]),
-                _pct(x["vs_floor_steps"]),
+                pct(x["sync_cost_left"], ".1f"),
+                pct(x["collective_share"], ".1f"),
+                pct(x["plugin_share"], ".1f"),
+                pct(x["vs_bound_steps"]),
+                pct(x["vs_floor_steps"]),
             )
         )
     return render(rows)
@@ -236,7 +236,7 @@ def format_phases(figures: dict[str, dict]) -> str:
             base = figures[ref]["phases"][i]["steps_per_s"] if ref else math.nan
             rel = p["steps_per_s"] / base if ref and base else None
             depth = f" d{p['mean_depth']:.2f}" if p["mean_depth"] is not None else ""
-            cells.append(f"{_pct(rel, '.1f')} lag {_fmt(p['mean_lag_steps'], '.2f')}{depth}")
+            cells.append(f"{pct(rel, '.1f')} lag {fmt(p['mean_lag_steps'], '.2f')}{depth}")
         rows.append(cells)
     label = f"per phase: steps/s vs {ref or '-'}, mean ack lag (steps), mean depth"
     return label + "\n" + render(rows)

@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
-from ... import ack_sync
+from ... import adapter
 from ...env import DEPTH_VAR, ENABLE_VAR, ENTRY_POINT_NAME, PLUGINS_VAR
-from ...testing.collectives import DelayedHandle, delayed
-from ...testing.layout import attention_cp_layout, create_groups
-from ...testing.sim_cache import SimCache, build_cache
-from ...testing.traffic import Traffic, TrafficSpec, WallClock
+from ...features import ack_sync
+from ...sim.cache import SimCache, build_cache
+from ...sim.collectives import DelayedHandle, delayed
+from ...sim.layout import attention_cp_layout, create_groups
+from ...sim.traffic import Traffic, TrafficSpec, WallClock
 from ..options import ToolError
 
 KINDS = ("l1", "blocking", "bound", "floor", "pipelined")
@@ -109,7 +110,7 @@ class FloorCheck:
 
     def __init__(self, cache, group, size: int, schedule: Schedule):
         self.check = type(cache).check_hicache_events.__get__(cache)
-        self.issue = ack_sync.torch_min_all_reduce(group)
+        self.issue = adapter.torch_min_all_reduce(group)
         self.values = [0] * size
         self.schedule = schedule if schedule.injects else None
         self.pending: Any = None
@@ -129,7 +130,7 @@ def _load_plugins_for(spec: ArmSpec) -> None:
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.plugins import load_plugins
 
-    from ...sglang_plugin import is_hooked
+    from ...adapter import is_hooked
 
     if spec.kind == "pipelined":
         os.environ[PLUGINS_VAR] = ENTRY_POINT_NAME
@@ -160,12 +161,11 @@ def prepare(spec: ArmSpec, cfg: dict, rank: int, world: int, schedule: Schedule)
             dedicated = dist.new_group(backend="gloo", timeout=timeout)
 
             def on_dedicated(_group, g=dedicated):
-                return ack_sync.torch_min_all_reduce(g)
+                return adapter.torch_min_all_reduce(g)
 
-            ack_sync.collective_factory = on_dedicated
+            adapter.use_async_min(lambda base: on_dedicated)
         if schedule.injects:
-            base = ack_sync.collective_factory
-            ack_sync.collective_factory = lambda group: delayed(base(group), schedule.latency_s)
+            adapter.use_async_min(lambda base: lambda g: delayed(base(g), schedule.latency_s))
     groups = create_groups(rank, attention_cp_layout(world, cfg["cp"]), cfg["group_timeout_s"])
     sim = build_cache(
         tp_group=dist.group.WORLD, tp_world_size=world, storage=cfg["storage"], **groups

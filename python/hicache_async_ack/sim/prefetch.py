@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Optional, cast
 
-from .sim_cache import SimCache
+from .cache import SimCache
 
 
 @dataclass

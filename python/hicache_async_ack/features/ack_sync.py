@@ -9,22 +9,31 @@ routes them through :func:`pipelined_check_hicache_events` and
 
 from __future__ import annotations
 
-import itertools
-import logging
-from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Optional
+from typing import Hashable, Optional
 
-from .core import (
-    DEPTH_LIMIT,
-    AutoDepth,
-    Consumed,
-    HiCacheAckSyncError,
-    HiCacheAckSyncMismatch,
-    PipelinedAckSync,
+from .. import __version__
+from ..adapter import (
+    Collectives,
+    Decision,
+    Feature,
+    FeatureState,
+    Hook,
+    announce_path,
+    blocking,
+    group_decision,
+    head_reader,
+    hook,
+    keep_state,
+    logger,
+    missing_attrs,
+    no_span_reason,
+    spanning_group,
+    unhooked,
 )
-from .env import DEPTH_MAX, DEPTH_VAR, ENABLE_VAR, Settings, read_settings
-
-logger = logging.getLogger("sglang.srt.mem_cache.hicache_async_ack")
+from ..core import AutoDepth, Consumed, PipelinedAckSync
+from ..env import DEPTH_MAX, DEPTH_VAR, ENABLE_VAR, PLUGINS_VAR, Settings, read_settings
+from ..guard import CACHE_CLASS
+from ..stamp import HiCacheAckSyncError, HiCacheAckSyncMismatch
 
 ACK_QUEUES = ("ack_write_queue", "ack_load_queue")
 STORAGE_QUEUES = (  # upstream's tensor order after the two ack counts
@@ -46,7 +55,7 @@ REQUIRED_CACHE_ATTRS = (
     "enable_storage",
     "tree_core",
 )
-_STATE_ATTR = "_hicache_ack_sync_state"
+STATE_ATTR = "_hicache_ack_sync_state"
 # What an operator should do when the ranks of a group disagree (core.Stamp fields).
 MISMATCH_HINTS = {
     "depth": f"Set {DEPTH_VAR} identically on every node of the TP group.",
@@ -60,137 +69,7 @@ MISMATCH_HINTS = {
 }
 
 
-# ------------------------------------------------------------------ eligibility
-@dataclass(frozen=True)
-class Decision:
-    pipelined: bool
-    reason: str
-    group: Any = None
-    world_size: int = 1
-    # attention CP x TP: the (CP, attn TP) groups whose union the first step
-    # checks against ``group`` (spanning_group), after the first exchange
-    span: Optional[tuple[Any, Any]] = None
-
-
-def world_size(group) -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size(group=group)
-
-
-def collective_groups(cache) -> list[tuple[str, Any, int]]:
-    """The groups upstream's _all_reduce_attn_groups reduces over, in order."""
-    groups = [
-        (label, g, world_size(g))
-        for label, g in (("attn CP", cache.attn_cp_group), ("attn TP", cache.attn_tp_group))
-        if g is not None and world_size(g) > 1
-    ]
-    if not groups and cache.tp_world_size > 1:
-        groups = [("TP", cache.tp_group, cache.tp_world_size)]
-    return groups
-
-
-def static_decision(cache) -> Decision:
-    """The part of eligibility fixed for the cache's lifetime (its groups)."""
-    missing = [a for a in REQUIRED_CACHE_ATTRS if not hasattr(cache, a)]
-    if missing:
-        return Decision(False, f"this SGLang's cache lacks {', '.join(missing)}")
-    groups = collective_groups(cache)
-    if not groups:
-        return Decision(False, "world size 1: upstream runs no collective, nothing to hide")
-    if len(groups) > 1:
-        names = " x ".join(f"{label}({ws})" for label, _, ws in groups)
-        (_, cp, cp_ws), (_, attn_tp, attn_tp_ws) = groups
-        if cache.tp_group is None or cp_ws * attn_tp_ws != cache.tp_world_size:
-            return Decision(False, no_span_reason(names))
-        # Whether the union of the two is exactly the TP group needs every
-        # member's groups: gathered at the first step, after the first exchange
-        # (a gather here would hang a rank without the plugin, which runs none).
-        span = (cp, attn_tp)
-        return Decision(
-            True, f"TP group, equal to {names}", cache.tp_group, cache.tp_world_size, span
-        )
-    label, group, ws = groups[0]
-    return Decision(True, f"one {label} group", group, ws)
-
-
-def no_span_reason(names: str) -> str:
-    return (
-        f"{names}: two collectives per step and no existing group spans exactly "
-        "their ranks (DP attention?)"
-    )
-
-
-def spanning_group(cache, cp_group, attn_tp_group):
-    """The existing group over which one MIN equals upstream's MIN over the CP
-    group followed by the MIN over the attn TP group, or None.
-
-    After the two reduces rank r holds the MIN over the union of CP(t) for t in
-    TP(r). One reduce over group G gives the same iff that union is G for every
-    r in G. The candidate is the cache's TP group (it contains both); the check
-    needs every member's CP and TP ranks, so it gathers them over that group
-    once, in the first pipelined step right after the first exchange (which ran
-    on the CP and attn TP groups, as upstream's reduce does, and showed that
-    every rank it reached pipelines with the same settings); every member
-    reaches the same verdict from the same data. No group is created: with DP
-    attention the union is smaller than the TP group and the cache stays
-    blocking (decided at init from the group sizes, without gathering).
-    """
-    import torch.distributed as dist
-
-    tp = cache.tp_group
-    if tp is None or cache.tp_world_size <= 1:
-        return None
-    mine = (
-        dist.get_rank(),
-        sorted(dist.get_process_group_ranks(cp_group)),
-        sorted(dist.get_process_group_ranks(attn_tp_group)),
-    )
-    gathered: list = [None] * cache.tp_world_size
-    dist.all_gather_object(gathered, mine, group=tp)
-    members = set(dist.get_process_group_ranks(tp))
-    cp_of = {rank: set(cp) for rank, cp, _ in gathered}
-    for _, _, tp_ranks in gathered:
-        if not set(tp_ranks) <= cp_of.keys():
-            return None
-        if set().union(*(cp_of[t] for t in tp_ranks)) != members:
-            return None
-    return tp
-
-
-def dynamic_blocker(cache) -> Optional[str]:
-    """Per-step conditions (cheap attribute reads) that force the blocking path."""
-    if cache.cache_controller is None:
-        return "HiCache controller not attached"
-    if cache.linker is not None:
-        return "external cache linker attached"
-    if cache.host_memory_mode != "cache":
-        return f"host memory mode {cache.host_memory_mode!r} (only 'cache' pipelines)"
-    if cache.pp_size != 1:
-        return f"pp_size={cache.pp_size}"
-    cc = cache.cache_controller
-    missing = [a for a in ACK_QUEUES if not hasattr(cc, a)]
-    if missing:
-        return f"this SGLang's cache controller lacks {', '.join(missing)}"
-    return None
-
-
 # ------------------------------------------------------------------- queue views
-def _queue_by_name(cc, name: Hashable):
-    if isinstance(name, tuple):  # ("extra", pool_name)
-        return getattr(cc, "extra_host_mem_release_queues", {}).get(name[1])
-    return getattr(cc, str(name), None)
-
-
-def _queue_head(q, n: int) -> list:
-    if q is None:
-        return []
-    if isinstance(q, list):
-        return q[:n]
-    with q.mutex:  # queue.Queue filled by storage threads
-        return list(itertools.islice(q.queue, n))
-
-
 def ready_entries(cache) -> tuple[dict[Hashable, list], int]:
     """Entries ready now at the head of each queue, in upstream's tensor order
     (fresh lists: the core keeps them until the reduce is consumed), and the
@@ -208,17 +87,6 @@ def ready_entries(cache) -> tuple[dict[Hashable, list], int]:
             with q.mutex:
                 ready[("extra", pool)] = list(q.queue)
     return ready, int(cache.tree_core.write_back_duplicate_reclaim_digest)
-
-
-def head_reader(cache) -> Callable[[Hashable, int], list]:
-    """``head(name, n)``: the first n entries of a queue of the cache's controller
-    (whichever controller the cache holds when called)."""
-
-    def head(name: Hashable, n: int) -> list:
-        cc = cache.cache_controller
-        return [] if cc is None else _queue_head(_queue_by_name(cc, name), n)
-
-    return head
 
 
 def upstream_counts(consumed: Optional[Consumed]):
@@ -250,92 +118,58 @@ def pop_agreed(cache, consumed: Consumed) -> None:
 
 
 # ----------------------------------------------------------------- per-cache state
-class _TorchHandle:
-    __slots__ = ("work", "tensor")
-
-    def __init__(self, work, tensor):
-        self.work = work
-        self.tensor = tensor
-
-    def wait(self) -> list[int]:
-        self.work.wait()
-        return self.tensor.tolist()
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
+def static_decision(cache) -> Decision:
+    """The part of eligibility fixed for the cache's lifetime (its groups)."""
+    return missing_attrs(cache, REQUIRED_CACHE_ATTRS) or group_decision(cache)
 
 
-def torch_min_all_reduce(group) -> Callable[[list[int]], Any]:
-    """An async MIN all_reduce over ``group``, through the public
-    ``torch.distributed.all_reduce(..., async_op=True)`` as upstream's blocking
-    one goes: whatever wraps or patches it (tracing, fault injection, tests)
-    sees our collective too. Calling the ProcessGroup's ``allreduce`` directly
-    skips the wrapper's Python checks: measured at TP=4 with the two forms
-    alternated (docs/bench.md), about 0.04 ms of check p50 per step, 0.5 points
-    of what the blocking reduce costs above the bound, and nothing steps/s can
-    tell apart on a shared host; not worth a collective that tracing, fault
-    injection and patched unit tests cannot see. Tensors are preallocated and
-    reused round-robin, DEPTH_LIMIT + 1 per layout, so one is never refilled
-    while a reduce on it can be in flight."""
-    import torch
-    import torch.distributed as dist
-
-    op = dist.ReduceOp.MIN
-    rings: dict[int, Any] = {}  # layout length -> cycle of (tensor, numpy view)
-
-    def issue(values: list[int]) -> _TorchHandle:
-        ring = rings.get(len(values))
-        if ring is None:
-            tensors = [torch.zeros(len(values), dtype=torch.int64) for _ in range(DEPTH_LIMIT + 1)]
-            ring = rings[len(values)] = itertools.cycle([(t, t.numpy()) for t in tensors])
-        tensor, view = next(ring)
-        view[:] = values
-        return _TorchHandle(dist.all_reduce(tensor, op=op, group=group, async_op=True), tensor)
-
-    return issue
+def dynamic_blocker(cache) -> Optional[Decision]:
+    """Per-step conditions (cheap attribute reads) that force the blocking path."""
+    if cache.cache_controller is None:
+        return blocking("HiCache controller not attached", "no_controller")
+    if cache.linker is not None:
+        return blocking("external cache linker attached", "linker")
+    if cache.host_memory_mode != "cache":
+        return blocking(
+            f"host memory mode {cache.host_memory_mode!r} (only 'cache' pipelines)",
+            "host_memory_mode",
+        )
+    if cache.pp_size != 1:
+        return blocking(f"pp_size={cache.pp_size}", "pp")
+    cc = cache.cache_controller
+    missing = [a for a in ACK_QUEUES if not hasattr(cc, a)]
+    if missing:
+        return blocking(
+            f"this SGLang's cache controller lacks {', '.join(missing)}", "missing_attrs"
+        )
+    return None
 
 
-def upstream_reduce(cache) -> Callable[[list[int]], list[int]]:
-    """A blocking MIN-reduce through the cache's own ``_all_reduce``: upstream's
-    shape on upstream's groups (attn CP then attn TP, as its ready-count sync)."""
-    import torch
-
-    def reduce(values: list[int]) -> list[int]:
-        tensor = torch.tensor(values, dtype=torch.int64)
-        cache._all_reduce(tensor, torch.distributed.ReduceOp.MIN)
-        return [int(v) for v in tensor.tolist()]
-
-    return reduce
-
-
-# group -> Collective; tests and the bench swap in their own collective here.
-collective_factory: Callable[[Any], Callable[[list[int]], Any]] = torch_min_all_reduce
-
-
-class CacheState:
+class CacheState(FeatureState):
     """What is kept per UnifiedRadixCache.
 
     ``blocker``, when given, keeps this cache on the blocking path for its
     lifetime (the caller knows why); ``tag`` ends the log line (who pipelines,
     and which version); ``hints`` override :data:`MISMATCH_HINTS`."""
 
+    feature = "ack_counts"
+
     def __init__(
         self,
         cache,
         settings: Settings,
-        blocker: Optional[str] = None,
+        blocker: Optional[Decision] = None,
         tag: str = "",
         hints: Optional[dict[str, str]] = None,
+        coll: Optional[Collectives] = None,
     ):
+        super().__init__(blocker or static_decision(cache), coll)
         self.settings = settings
         self.tag = tag
-        # Metrics sink (on_path / on_step / on_failure); None costs the step nothing.
-        self.metrics: Any = None
-        self.static = Decision(False, blocker) if blocker else static_decision(cache)
         self.sync: Optional[PipelinedAckSync] = None
         if self.static.pipelined:
             self.sync = PipelinedAckSync(
-                collective_factory(self.static.group),
+                self.collectives.async_min(self.static.group),
                 settings.depth,
                 auto=AutoDepth(hi=DEPTH_MAX) if settings.auto else None,
                 hints={**MISMATCH_HINTS, **(hints or {})},
@@ -345,42 +179,37 @@ class CacheState:
         self.in_pipelined_step = False
         self.due: Optional[Consumed] = None
         self.due_taken = False  # upstream asked for this step's counts already
-        self._announced: Optional[tuple] = None
         self._last: Optional[Decision] = None
 
     def decide(self, cache) -> Decision:
         if not self.settings.enabled:
-            return Decision(False, f"{ENABLE_VAR}=0")
+            return blocking(f"{ENABLE_VAR}=0", "disabled_by_env")
         if not self.static.pipelined:
             return self.static
-        blocker = dynamic_blocker(cache)
-        if blocker:
-            return Decision(False, blocker)
-        return self.static
+        return dynamic_blocker(cache) or self.static
 
-    def announce(self, decision: Decision) -> None:
-        """One line per rank (and one more on each change of path). Called every
-        step, so it compares before it formats."""
-        if decision is self._last:  # the static decision, step after step
-            return
-        self._last = decision
-        key = (decision.pipelined, decision.reason)
-        if key == self._announced:
-            return
-        self._announced = key
-        if self.metrics is not None:
-            now = self.sync.depth if self.sync else 0
-            self.metrics.on_path(decision.pipelined, now, decision.world_size)
+    def path_metrics(self, decision: Decision) -> None:
+        now = self.sync.depth if self.sync else 0
+        self.metrics.on_path(decision.pipelined, now, decision.world_size)
+
+    def path_line(self, decision: Decision) -> str:
         tag = f"; {self.tag}" if self.tag else ""
         depth = f"auto from {self.settings.depth}" if self.settings.auto else self.settings.depth
-        line = (
-            f"HiCache ack sync: pipelined over the {decision.reason} "
-            f"(world size {decision.world_size}, depth {depth}{tag})"
-            if decision.pipelined
-            else f"HiCache ack sync: blocking (upstream path) because {decision.reason}"
-            + (f" ({self.tag})" if self.tag else "")
+        if decision.pipelined:
+            return (
+                f"HiCache ack sync: pipelined over the {decision.reason} "
+                f"(world size {decision.world_size}, depth {depth}{tag})"
+            )
+        return f"HiCache ack sync: blocking (upstream path) because {decision.reason}" + (
+            f" ({self.tag})" if self.tag else ""
         )
-        logger.info(line)
+
+    def announce(self, decision: Decision) -> None:
+        """Called every step: the static decision, step after step, costs one test."""
+        if decision is self._last:
+            return
+        self._last = decision
+        announce_path(self, decision)
 
     def depth_changed(self, before: int, after: int) -> None:
         """Auto depth moved (on every rank at this step): say so once."""
@@ -390,40 +219,20 @@ class CacheState:
             self.metrics.on_path(True, after)
 
 
-def announce_path(state, decision: Decision, what: str, detail: str, log) -> None:
-    """The prefetch votes' and the decode offload sync's path line: once per rank,
-    again on each change of path, with their ``pipelined`` gauge set alike."""
-    key = (decision.pipelined, decision.reason)
-    if key == state.announced:
-        return
-    state.announced = key
-    if state.metrics is not None:
-        state.metrics.on_path(decision.pipelined)
-    if decision.pipelined:
-        log.info(
-            "%s: pipelined over the %s (world size %d%s)",
-            what, decision.reason, decision.world_size, detail,
-        )  # fmt: skip
-    else:
-        log.info("%s: blocking (upstream path) because %s", what, decision.reason)
-
-
 def state_of(cache) -> Optional[CacheState]:
-    return cache.__dict__.get(_STATE_ATTR)
+    return cache.__dict__.get(STATE_ATTR)
 
 
 def attach_state(
     cache,
-    blocker: Optional[str] = None,
+    blocker: Optional[Decision] = None,
     tag: str = "",
     settings: Optional[Settings] = None,
     hints: Optional[dict[str, str]] = None,
 ) -> CacheState:
     """Create the cache's state (``settings`` default to the environment's)."""
     settings = read_settings() if settings is None else settings
-    state = CacheState(cache, settings, blocker, tag, hints)
-    cache.__dict__[_STATE_ATTR] = state
-    return state
+    return keep_state(cache, STATE_ATTR, CacheState(cache, settings, blocker, tag, hints))
 
 
 # ----------------------------------------------------------------- the step
@@ -476,11 +285,11 @@ def first_exchange(state: CacheState, sync: PipelinedAckSync, cache) -> bool:
     (the same verdict on every rank)."""
     ready, digest = ready_entries(cache)
     span = state.static.span
-    sync.greet(len(ready), digest, upstream_reduce(cache))
+    sync.greet(len(ready), digest, state.collectives.blocking_min(cache))
     state.greeted = True
     if span is not None and spanning_group(cache, *span) is None:
         names = state.static.reason.removeprefix("TP group, equal to ")
-        state.static = Decision(False, no_span_reason(names))
+        state.static = blocking(no_span_reason(names), "no_span")
         state.sync = None
         state.announce(state.decide(cache))
         return False
@@ -530,3 +339,107 @@ def agreed_ready_counts(state: Optional[CacheState], cache, original, *args, **k
         )
     state.due_taken = True
     return upstream_counts(state.due)
+
+
+# ------------------------------------------------------------------------ hooks
+# Target: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.
+# Upstream PR: sglang #39903 (pipeline the HiCache ack-count all_reduce).
+# Removable when upstream merges an equivalent (`hicache-async-ack upstream-patch`
+# writes this feature as such a patch); the guard already stands down on a tree
+# that carries it.
+TAG = f"hicache-async-ack {__version__}"
+STOCK_HINT = (
+    "that rank does not pipeline: hicache-async-ack is not installed or not loaded "
+    f"there (e.g. {PLUGINS_VAR} excludes it), {ENABLE_VAR}=0 is set there, or its cache "
+    "is not eligible (its log line says why). Give every node of the TP group the same "
+    "install and the same settings."
+)
+HOOKED = ("check_hicache_events", "_sync_hicache_ready_counts")
+
+
+def attach(cache) -> CacheState:
+    """Build the cache's state; a cache whose hooks are not in place stays blocking."""
+    problem = unhooked(type(cache), HOOKED)
+    blocker = blocking(problem, "hooks_missing") if problem else None
+    return attach_state(cache, blocker, TAG, hints={"stock": STOCK_HINT})
+
+
+def metrics_for(cache):
+    """The sync's metrics, labelled like the cache's other metrics and created
+    through the same collector classes; None (logged) if they cannot be made."""
+    from ..metrics import metrics_for_labels
+
+    collector = getattr(cache, "metrics_collector", None)
+    labels = getattr(collector, "labels", None)
+    metrics = metrics_for_labels(labels or {"cache_type": type(cache).__name__}, collector)
+    pools = getattr(getattr(cache, "cache_controller", None), "extra_host_mem_release_queues", {})
+    if metrics is not None and pools:
+        metrics.add_queues(("extra", pool) for pool in pools)
+    return metrics
+
+
+def metrics_wanted(args, kwargs) -> bool:
+    """Whether init_hicache(server_args, params) was called with --enable-metrics."""
+    params = kwargs.get("params", args[1] if len(args) > 1 else None)
+    return bool(getattr(params, "enable_metrics", False))
+
+
+@hook
+def after_init_hicache(result, cache, *args, **kwargs):
+    """init_hicache, AFTER.
+    Why: the per-cache decision needs the controller and groups init builds.
+    How: builds the cache's state (eligibility from local facts only: no
+    collective here, a peer without the plugin would run none; metrics with
+    --enable-metrics, never raising) and logs one line: pipelined or blocking,
+    and why.
+    Stands down: never fails init; an ineligible cache (PP, buffer_only, a
+    linker, world size 1, DP attention CP x TP) just decides blocking."""
+    state = attach(cache)
+    if metrics_wanted(args, kwargs):
+        state.metrics = metrics_for(cache)
+    state.announce(state.decide(cache))
+    return result
+
+
+@hook
+def around_check_hicache_events(original, cache, *args, **kwargs):
+    """check_hicache_events, AROUND.
+    Why: the blocking all_reduce inside it sits right before the next forward.
+    How: the first pipelined step starts with one blocking exchange through the
+    cache's own _all_reduce (upstream's shape and groups) carrying the stamp,
+    so ranks that disagree stop there (then, for CP x TP, the layout check).
+    Every step: consume the reduce issued k steps ago, run upstream's own
+    method (its pops go through writing_check / loading_check / the storage
+    drain), then count what is ready and issue the next reduce, async.
+    Stands down: calls the original when the cache decides blocking (drains the
+    reduces in flight first, so every rank leaves with the same pops)."""
+    state = state_of(cache)
+    if state is None:  # init_hicache hook missing (or a cache built another way)
+        state = attach(cache)
+    return pipelined_check_hicache_events(state, cache, original, *args, **kwargs)
+
+
+@hook
+def around_sync_hicache_ready_counts(original, cache, *args, **kwargs):
+    """_sync_hicache_ready_counts, AROUND.
+    Why: upstream's check takes its counts from here; that is where the
+    blocking reduce runs.
+    How: inside a pipelined step, returns the consumed agreement, once per step
+    (a second call raises before anything more is popped).
+    Stands down: everywhere else (loading_check's callers, blocking caches)."""
+    return agreed_ready_counts(state_of(cache), cache, original, *args, **kwargs)
+
+
+FEATURE = Feature(
+    "ack_counts",
+    (
+        Hook(CACHE_CLASS, "init_hicache", "AFTER", after_init_hicache),
+        Hook(CACHE_CLASS, "check_hicache_events", "AROUND", around_check_hicache_events),
+        Hook(CACHE_CLASS, "_sync_hicache_ready_counts", "AROUND", around_sync_hicache_ready_counts),
+    ),
+    order=(
+        "registered first: its check_hicache_events AROUND is then the innermost "
+        "wrapper, so the prefetch votes' AFTER hook sees the pass after the ack "
+        "pops (completed prefetches already drained)"
+    ),
+)

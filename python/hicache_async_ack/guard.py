@@ -1,5 +1,10 @@
-"""Which SGLang releases the plugin is tested on, and whether the installed SGLang
-behaves like one of them.
+"""The version guard: which SGLang releases the plugin is tested on, and whether
+the installed SGLang behaves like one of them, for each feature.
+
+ONE table covers every upstream function any feature wraps or relies on
+(:data:`TARGETS`, each naming the features that rely on it); a feature runs
+where every one of its targets matches one recorded release (or, with the
+opt-in, where its targets are present at all).
 
 The hooks replace one blocking reduce inside ``UnifiedRadixCache.check_hicache_events``
 and hand upstream's own pop methods the agreed counts. That is only right while those
@@ -37,134 +42,27 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from .fingerprint import (
-    BODY,
     SCHEME,
-    SIGNATURE,
     find_def,
     fingerprint_def,
     module_source_path,
     param_names,
     parse_function_source,
 )
+from .targets import (  # noqa: F401  (the guard's vocabulary, re-exported)
+    ACK,
+    ALL,
+    CACHE_CLASS,
+    CACHE_MODULE,
+    MANAGER_CLASS,
+    MANAGER_MODULE,
+    OFFLOAD,
+    TARGETS,
+    VOTES,
+    Target,
+)
 
 TABLE_PATH = Path(__file__).with_name("upstream_fingerprints.json")
-
-CACHE_MODULE = "sglang.srt.mem_cache.unified_radix_cache"
-CACHE_CLASS = f"{CACHE_MODULE}.UnifiedRadixCache"
-
-
-@dataclass(frozen=True)
-class Target:
-    """One upstream function the plugin wraps or relies on."""
-
-    module: str
-    qualname: str
-    # the parameter names the plugin passes (None: it never calls it)
-    params: Optional[tuple[str, ...]]
-    scope: str  # BODY or SIGNATURE
-    why: str
-
-    @property
-    def label(self) -> str:
-        return self.qualname.removeprefix("UnifiedRadixCache.")
-
-
-_URC = CACHE_MODULE
-TARGETS: tuple[Target, ...] = (
-    Target(
-        _URC,
-        "UnifiedRadixCache.check_hicache_events",
-        ("self",),
-        BODY,
-        "hooked AROUND: the pipelined step runs it with the agreed counts",
-    ),
-    Target(
-        _URC,
-        "UnifiedRadixCache._sync_hicache_ready_counts",
-        ("self",),
-        BODY,
-        "hooked AROUND: the plugin answers it; the tuple it returns and what it counts",
-    ),
-    Target(
-        _URC,
-        "UnifiedRadixCache.init_hicache",
-        ("self", "server_args", "params"),
-        SIGNATURE,
-        "hooked AFTER: only when it runs and its arguments (what it builds is checked "
-        "per cache at run time)",
-    ),
-    Target(
-        _URC,
-        "UnifiedRadixCache.writing_check",
-        ("self", "write_back", "finish_count"),
-        BODY,
-        "pops the agreed number of write acks",
-    ),
-    Target(
-        _URC,
-        "UnifiedRadixCache.loading_check",
-        ("self", "finish_count"),
-        BODY,
-        "pops the agreed number of load acks",
-    ),
-    Target(
-        _URC,
-        "UnifiedRadixCache._count_ready_acks",
-        ("self", "ack_queue"),
-        BODY,
-        "counts the ready head of an ack queue; the plugin reduces that count",
-    ),
-    Target(
-        _URC,
-        "UnifiedRadixCache._drain_storage_control_queues_impl",
-        (
-            "self",
-            "n_storage_hit",
-            "n_ack_prefetch",
-            "n_backup",
-            "n_release",
-            "extra_release_counts",
-            "log_metrics",
-        ),
-        BODY,
-        "pops the agreed number of storage control entries",
-    ),
-    Target(
-        _URC,
-        "UnifiedRadixCache._all_reduce",
-        None,
-        BODY,
-        "the reduce the plugin replaces (pp_size 1: the attention groups only)",
-    ),
-    Target(
-        _URC,
-        "UnifiedRadixCache._all_reduce_attn_groups",
-        None,
-        BODY,
-        "the groups upstream reduces over; the plugin picks the same",
-    ),
-    Target(
-        _URC,
-        "UnifiedRadixCache._can_terminate_prefetch",
-        ("self", "operation"),
-        BODY,
-        "hooked AROUND: the prefetch votes answer it (one blocking MAX per request upstream)",
-    ),
-    Target(
-        _URC,
-        "UnifiedRadixCache.check_prefetch_progress",
-        None,
-        BODY,
-        "asks _can_terminate_prefetch once per ongoing operation and acts on the verdict",
-    ),
-    Target(
-        "sglang.srt.plugins.hook_registry",
-        "_wrap_fn",
-        None,
-        BODY,
-        "how SGLang's HookRegistry calls AROUND and AFTER hooks",
-    ),
-)
 
 
 # ------------------------------------------------------------------- probing
@@ -311,12 +209,46 @@ class Verdict:
     def incompatible(self) -> list[str]:
         """Problems the opt-in cannot override, each said once (a module that
         cannot be imported is one problem, not one per method)."""
-        return list(dict.fromkeys(m.blocking for m in self.methods if m.blocking))
+        return self.feature_incompatible(ACK)
 
     @property
     def changed(self) -> list[str]:
-        """Methods whose fingerprint differs from the reference release's."""
-        return [m.target.qualname for m in self.methods if self.reference not in m.same_as]
+        """The ack sync's methods whose fingerprint differs from the reference release's."""
+        return [
+            m.target.qualname
+            for m in self.methods
+            if ACK in m.target.features and self.reference not in m.same_as
+        ]
+
+    def missing_methods(self, methods: Iterable[str]) -> str:
+        """Which of these method names (of any target class) this SGLang lacks."""
+        wanted = set(methods)
+        return ", ".join(
+            m.target.qualname
+            for m in self.methods
+            if m.probe.missing and m.target.qualname.rsplit(".", 1)[-1] in wanted
+        )
+
+    def feature_incompatible(self, feature: str) -> list[str]:
+        """What keeps ``feature`` off even with the opt-in (missing, other parameters)."""
+        return list(
+            dict.fromkeys(
+                m.blocking for m in self.methods if m.blocking and feature in m.target.features
+            )
+        )
+
+    def feature_matched(self, feature: str) -> tuple[str, ...]:
+        """The tested releases every target of ``feature`` matches."""
+        mine = [m for m in self.methods if feature in m.target.features]
+        return tuple(r for r in self.tested if all(r in m.same_as for m in mine))
+
+    def feature_release(self, feature: str) -> Optional[str]:
+        """The tested release ``feature``'s upstream methods behave like (its own
+        version when that is one of them), or None."""
+        matched = self.feature_matched(feature)
+        if self.installed in matched:
+            return self.installed
+        return matched[-1] if matched else None
 
     @property
     def status(self) -> str:
@@ -375,7 +307,9 @@ def judge(
             r for r in tested if p.fingerprint and table[r].get(t.qualname) == p.fingerprint
         )
         methods.append(MethodVerdict(p, same, signature))
-    matched = tuple(r for r in tested if all(r in m.same_as for m in methods))
+    matched = tuple(
+        r for r in tested if all(r in m.same_as for m in methods if ACK in m.target.features)
+    )
 
     def score(release: str) -> tuple[int, tuple[int, ...]]:
         return sum(release in m.same_as for m in methods), release_key(release)
@@ -388,3 +322,41 @@ def check_installed() -> Verdict:
     """The verdict on the SGLang this process imports. Never raises for SGLang's sake:
     anything that cannot be imported or read is reported in the verdict."""
     return judge([probe_live(t) for t in TARGETS], installed_version())
+
+
+# ------------------------------------------------- the verdict this process runs on
+UNTESTED = "untested (opt-in)"  # feature_release under the opt-in, no release matched
+
+
+@dataclass
+class Judged:
+    verdict: Optional[Verdict] = None
+    untested_ok: bool = False
+    known: bool = False
+
+
+JUDGED = Judged()  # public: tests judge other releases through it
+
+
+def remember(verdict: Optional[Verdict], untested_ok: bool) -> None:
+    """What register() decided on (so every feature reads the same verdict)."""
+    JUDGED.verdict, JUDGED.untested_ok, JUDGED.known = verdict, untested_ok, True
+
+
+def feature_release(feature: str) -> Optional[str]:
+    """The tested release ``feature`` runs on in this process: from the verdict
+    register() judged (judged now if it did not run, e.g. in tests);
+    :data:`UNTESTED` under the opt-in where its methods are all present; None
+    where it stays on upstream's path."""
+    if not JUDGED.known:
+        try:
+            remember(check_installed(), False)
+        except Exception:  # a broken table: every feature stands down
+            remember(None, False)
+    verdict = JUDGED.verdict
+    if verdict is None:
+        return None
+    release = verdict.feature_release(feature)
+    if release is None and JUDGED.untested_ok and not verdict.feature_incompatible(feature):
+        return UNTESTED
+    return release

@@ -14,15 +14,27 @@ pass late. Per-cache state lives in the cache's ``__dict__``.
 
 from __future__ import annotations
 
-import logging
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
-from . import ack_sync
-from .ack_sync import Decision
-from .core import Stamp, describe_mismatch, pack_stamp
-from .env import ENABLE_VAR, PREFETCH_VOTES_VAR
-from .votes import (
+from ..adapter import (
+    Collectives,
+    Decision,
+    Feature,
+    FeatureState,
+    Hook,
+    announce_path,
+    blocking,
+    group_decision,
+    hook,
+    keep_state,
+    missing_attrs,
+    unhooked,
+)
+from ..env import ENABLE_VAR, PREFETCH_VOTES_VAR, prefetch_votes_enabled
+from ..guard import CACHE_CLASS, feature_release
+from ..stamp import Stamp, describe_mismatch, pack_stamp
+from ..votes import (
     VOTE_SLOTS,
     VOTES_PROTOCOL,
     PipelinedVotes,
@@ -31,14 +43,13 @@ from .votes import (
     Verdicts,
 )
 
-logger = logging.getLogger("sglang.srt.mem_cache.hicache_async_ack")
-
-_STATE_ATTR = "_hicache_prefetch_votes_state"
+STATE_ATTR = "_hicache_prefetch_votes_state"
 TIMEOUT_POLICY = "timeout"
-# The releases whose prefetch path was read and tested against these votes, and
-# the predicate upstream's _can_terminate_prefetch reduces there (PP0's view of
-# "the deadline passed"). Elsewhere the votes stand down (upstream's path).
-VERIFIED_RELEASES = {"0.5.23": "_prefetch_deadline_expired"}
+# The predicate upstream's _can_terminate_prefetch reduces (PP0's view of "the
+# deadline passed"); a guard target of this feature, so the votes run only where
+# the guard's table has it (0.5.23; older releases decide the deadline from
+# operation.start_time, not the admission-poll timer, and have no such method).
+PREDICATE = "_prefetch_deadline_expired"
 REQUIRED_ATTRS = ("ongoing_prefetch", "prefetch_stop_policy", "pp_rank", "enable_storage")
 MISMATCH_HINTS = {
     "protocol": (
@@ -52,18 +63,34 @@ MISMATCH_HINTS = {
 }
 
 
-def release_blocker(release: Optional[str]) -> Optional[str]:
-    """Why this SGLang's prefetch path is not one the votes were verified on."""
-    if release in VERIFIED_RELEASES:
+def release_blocker(release: Optional[str]) -> Optional[Decision]:
+    """Why the guard does not let the votes run on this SGLang."""
+    if release is not None:
         return None
-    return (
-        f"SGLang's prefetch path here is that of {release or 'an untested release'}; the "
-        f"votes were verified on {', '.join(VERIFIED_RELEASES)} only (older releases "
-        "decide the deadline from operation.start_time, not the admission-poll timer)"
+    return blocking(
+        "the guard matched no tested release for the votes' upstream methods "
+        f"(UnifiedRadixCache.{PREDICATE} and the prefetch path; tested where they "
+        "exist: docs/versions.md)",
+        "untested_release",
     )
 
 
-class PrefetchVoteState:
+def static_decision(cache, release: Optional[str], blocker: Optional[Decision]) -> Decision:
+    decision = (
+        blocker
+        or missing_attrs(cache, REQUIRED_ATTRS)
+        or release_blocker(release)
+        or missing_attrs(cache, (PREDICATE,))
+        or group_decision(cache)
+    )
+    if decision.span is not None:
+        # One MIN over the TP group equals upstream's CP-then-attn-TP pair only
+        # where the ack sync's first step checked the span; not tied in here.
+        return blocking(f"{decision.reason}: attention CP x TP", "attn_cp_tp")
+    return decision
+
+
+class PrefetchVoteState(FeatureState):
     """What is kept per cache. ``blocker`` keeps it on upstream's path for the
     cache's lifetime (the caller knows why).
 
@@ -74,34 +101,29 @@ class PrefetchVoteState:
     rank with an error naming it instead of pairing its per-request reduces
     with the others' vote reduces (gloo aborts on such a pairing)."""
 
-    def __init__(self, cache, enabled: bool, release: Optional[str], blocker: Optional[str] = None):
+    feature = "prefetch_votes"
+
+    def __init__(
+        self,
+        cache,
+        enabled: bool,
+        release: Optional[str],
+        blocker: Optional[Decision] = None,
+        coll: Optional[Collectives] = None,
+    ):
+        super().__init__(static_decision(cache, release, blocker), coll)
         self.enabled = enabled
         self.release = release
-        self.predicate_name = VERIFIED_RELEASES.get(release or "", "")
-        missing = [a for a in REQUIRED_ATTRS if not hasattr(cache, a)]
-        if blocker is None and missing:
-            blocker = f"this SGLang's cache lacks {', '.join(missing)}"
-        if blocker is None:
-            blocker = release_blocker(release)
-        if blocker is None and not hasattr(cache, self.predicate_name):
-            blocker = f"this SGLang's cache lacks {self.predicate_name}"
-        self.static = Decision(False, blocker) if blocker else ack_sync.static_decision(cache)
-        if getattr(self.static, "span", None) is not None:
-            # One MIN over the TP group equals upstream's CP-then-attn-TP pair only
-            # where the ack sync's first step checked the span; not tied in here.
-            self.static = Decision(False, f"{self.static.reason}: attention CP x TP")
         self.votes: Optional[PipelinedVotes] = None
         if self.static.pipelined:
             self.votes = PipelinedVotes(
-                ack_sync.collective_factory(self.static.group), hints=MISMATCH_HINTS
+                self.collectives.async_min(self.static.group), hints=MISMATCH_HINTS
             )
         self.passes = 0  # check_hicache_events calls seen (the same on every rank)
         self.agreed = False  # the group agreed on the setting (one blocking reduce, once)
         self.active = False  # this pass answers from verdicts, not the blocking reduce
         self.verdicts: Optional[Verdicts] = None
-        self.metrics: Any = None  # on_path / on_pass / on_stop / on_failure
         self.stopped = 0  # operations stopped on a verdict (for tests and the bench)
-        self.announced: Optional[tuple] = None
 
     def eligible(self, cache) -> Decision:
         """Whether the votes can replace upstream's reduce this pass (the
@@ -109,14 +131,14 @@ class PrefetchVoteState:
         if not self.static.pipelined:
             return self.static
         if cache.cache_controller is None:
-            return Decision(False, "HiCache controller not attached")
+            return blocking("HiCache controller not attached", "no_controller")
         if not cache.enable_storage:
-            return Decision(False, "no storage backend attached (no prefetch to decide)")
+            return blocking("no storage backend attached (no prefetch to decide)", "no_storage")
         policy = cache.prefetch_stop_policy
         if policy != TIMEOUT_POLICY:
-            return Decision(False, f"prefetch policy {policy!r} runs no collective")
+            return blocking(f"prefetch policy {policy!r} runs no collective", "policy_not_timeout")
         if cache.pp_size != 1:
-            return Decision(False, f"pp_size={cache.pp_size} (PP0 decides, sent along PP)")
+            return blocking(f"pp_size={cache.pp_size} (PP0 decides, sent along PP)", "pp")
         return self.static
 
     def decide(self, cache) -> Decision:
@@ -125,10 +147,10 @@ class PrefetchVoteState:
             return eligible
         if not self.agreed:
             if self.passes < 2:
-                return Decision(False, "the group agrees on the setting at the next pass")
+                return blocking("the group agrees on the setting at the next pass", "agreeing")
             self.agree()
         if not self.enabled:
-            return Decision(False, f"{PREFETCH_VOTES_VAR}=0")
+            return blocking(f"{PREFETCH_VOTES_VAR}=0", "feature_disabled_by_env")
         return eligible
 
     def agree(self) -> None:
@@ -161,30 +183,28 @@ class PrefetchVoteState:
             )
         self.agreed = True
 
+    def path_line(self, decision: Decision) -> str:
+        line = super().path_line(decision)
+        if decision.pipelined:
+            line = line[:-1] + "; one vote reduce per pass, deadlines decided one pass late)"
+        return line
+
     def announce(self, decision: Decision) -> None:
-        ack_sync.announce_path(
-            self,
-            decision,
-            "HiCache prefetch votes",
-            "; one vote reduce per pass, deadlines decided one pass late",
-            logger,
-        )
+        announce_path(self, decision)
 
     def vote(self, cache, operation) -> bool:
         """This rank's vote: PP0's deadline predicate, as upstream reduces it."""
-        return bool(getattr(cache, self.predicate_name)(operation))
+        return bool(getattr(cache, PREDICATE)(operation))
 
 
 def state_of(cache) -> Optional[PrefetchVoteState]:
-    return cache.__dict__.get(_STATE_ATTR)
+    return cache.__dict__.get(STATE_ATTR)
 
 
 def attach_state(
-    cache, enabled: bool, release: Optional[str], blocker: Optional[str] = None
+    cache, enabled: bool, release: Optional[str], blocker: Optional[Decision] = None
 ) -> PrefetchVoteState:
-    state = PrefetchVoteState(cache, enabled, release, blocker)
-    cache.__dict__[_STATE_ATTR] = state
-    return state
+    return keep_state(cache, STATE_ATTR, PrefetchVoteState(cache, enabled, release, blocker))
 
 
 # ----------------------------------------------------------------- the pass
@@ -246,3 +266,77 @@ def verdict(state: Optional[PrefetchVoteState], cache, original: Callable, opera
         if state.metrics is not None:
             state.metrics.on_stop()
     return stop
+
+
+# ------------------------------------------------------------------------ hooks
+# Target: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.
+# Upstream: sglang #33029 (prefetch progress computed once per pass) is the open
+# fix for the per-request collective; removable when upstream decides deadlines
+# without a collective per waiting request.
+HOOKED = ("check_hicache_events", "_can_terminate_prefetch")
+
+
+def attach(cache) -> PrefetchVoteState:
+    """The cache's prefetch-vote state (the setting read now, as for the ack sync)."""
+    problem = unhooked(type(cache), HOOKED)
+    blocker = blocking(problem, "hooks_missing") if problem else None
+    release = feature_release("prefetch_votes")
+    return attach_state(cache, prefetch_votes_enabled(), release, blocker)
+
+
+@hook
+def after_init_hicache(result, cache, *args, **kwargs):
+    """init_hicache, AFTER.
+    Why: the per-cache vote state (and its metrics) needs what init builds.
+    How: builds it; the decision is made and logged at the first pass.
+    Stands down: never fails init."""
+    state = attach(cache)
+    params = kwargs.get("params", args[1] if len(args) > 1 else None)
+    if getattr(params, "enable_metrics", False):
+        from ..metrics import PrefetchVoteMetrics
+
+        labels = getattr(getattr(cache, "metrics_collector", None), "labels", None)
+        state.metrics = PrefetchVoteMetrics(labels or {"cache_type": type(cache).__name__})
+    return result
+
+
+@hook
+def after_check_hicache_events(result, cache, *args, **kwargs):
+    """check_hicache_events, AFTER.
+    Why: the scheduler runs it once per pass, before it walks the waiting queue
+    and asks check_prefetch_progress per request: the pass boundary.
+    How: consumes the vote reduce issued at the previous pass, then issues one
+    covering every ongoing prefetch operation, async (at the second eligible
+    pass, once, a blocking agreement on the setting comes first).
+    Stands down: no storage backend, a policy other than `timeout`, PP, world
+    size 1, the setting off, or a release the guard has no votes for: the
+    reduce in flight is drained and upstream's per-request path runs."""
+    state = state_of(cache)
+    if state is None:
+        state = attach(cache)
+    on_pass(state, cache)
+    return result
+
+
+@hook
+def around_can_terminate_prefetch(original, cache, operation, *args, **kwargs):
+    """_can_terminate_prefetch, AROUND.
+    Why: it runs one blocking MAX all_reduce per waiting request.
+    How: inside a pipelined pass, returns the group's verdict on this operation
+    (by identity; False until voted on), no collective.
+    Stands down: calls the original outside a pipelined pass or policy."""
+    return verdict(state_of(cache), cache, original, operation, *args, **kwargs)
+
+
+FEATURE = Feature(
+    "prefetch_votes",
+    (
+        Hook(CACHE_CLASS, "init_hicache", "AFTER", after_init_hicache),
+        Hook(CACHE_CLASS, "check_hicache_events", "AFTER", after_check_hicache_events),
+        Hook(CACHE_CLASS, "_can_terminate_prefetch", "AROUND", around_can_terminate_prefetch),
+    ),
+    order=(
+        "after the ack sync's: the AFTER hook on check_hicache_events must wrap the "
+        "ack sync's AROUND, so the pass boundary comes after the ack pops"
+    ),
+)

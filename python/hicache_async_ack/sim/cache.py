@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
-from ..ack_sync import STORAGE_QUEUES
+from ..features.ack_sync import STORAGE_QUEUES
 
 
 class UnfinishedAckPopped(AssertionError):

@@ -21,71 +21,55 @@ learns whether a peer is stock or has the setting off, and stops naming it.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
-from . import ack_sync
-from .ack_sync import Decision
-from .core import HiCacheAckSyncError, HiCacheAckSyncMismatch, PipelinedAckSync
-from .env import ENABLE_VAR, OFFLOAD_SYNC_VAR
+from ..adapter import (
+    Collectives,
+    Decision,
+    Feature,
+    FeatureState,
+    Hook,
+    announce_path,
+    blocking,
+    hook,
+    keep_state,
+    queue_head,
+)
+from ..core import PipelinedAckSync
+from ..env import ENABLE_VAR, OFFLOAD_SYNC_VAR, offload_sync_enabled
+from ..guard import MANAGER_CLASS, feature_release
+from ..stamp import HiCacheAckSyncError, HiCacheAckSyncMismatch
 
-logger = logging.getLogger("sglang.srt.mem_cache.hicache_async_ack")
-
-MANAGER_MODULE = "sglang.srt.disaggregation.decode_kvcache_offload_manager"
-MANAGER_CLASS = f"{MANAGER_MODULE}.DecodeKVCacheOffloadManager"
-# Releases whose check_offload_progress / _check_offload_progress /
-# _check_backup_progress / drain_before_retraction were read for this (the four
-# are identical from 0.5.21 to 0.5.23; 0.5.20 has no drain_before_retraction).
-VERIFIED_RELEASES = ("0.5.21", "0.5.22", "0.5.23")
-# Their fingerprints there (hicache_async_ack.fingerprint, BODY scope), checked
-# on the live methods when a manager is first seen: a later release that changed
-# one of them stays on upstream's path, naming it.
-VERIFIED_FINGERPRINTS = {
-    "check_offload_progress": "7f009a5799255553",
-    "_check_offload_progress": "835a5e1f74e1411f",
-    "_check_backup_progress": "29898ef013bdee2b",
-    "drain_before_retraction": "999b3eaf0cc17589",
-}
 QUEUES = ("ack_write_queue", "ack_backup_queue")
 CODE = 1 << 30  # above any queue size a stock rank sends in the agreement
-_STATE_ATTR = "_hicache_offload_sync_state"
+STATE_ATTR = "_hicache_offload_sync_state"
 STOCK_HINT = (
     "that rank runs SGLang's blocking offload sync: give every node of the TP group "
     f"the same install and the same {ENABLE_VAR} / {OFFLOAD_SYNC_VAR}."
 )
 
 
-def torch_agreement(group, values: list[int]) -> list[int]:
-    """A blocking MIN all_reduce of an int32 tensor: upstream's layout and dtype."""
-    import torch
-    import torch.distributed as dist
+class OffloadSyncState(FeatureState):
+    feature = "decode_offload"
 
-    t = torch.tensor(values, dtype=torch.int)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return [int(v) for v in t.tolist()]
-
-
-# (group, values) -> reduced; tests swap in their own
-agreement_reduce: Callable[[Any, list[int]], list[int]] = torch_agreement
-
-
-class OffloadSyncState:
-    def __init__(self, manager, enabled: bool, release: Optional[str]):
+    def __init__(
+        self, manager, enabled: bool, release: Optional[str], coll: Optional[Collectives] = None
+    ):
+        super().__init__(static_decision(manager, release), coll)
         self.enabled = enabled
-        self.static = static_decision(manager, release)
         self.sync: Optional[PipelinedAckSync] = None
         if self.static.pipelined:
             self.sync = PipelinedAckSync(
-                ack_sync.collective_factory(manager.tp_group),
+                self.collectives.async_min(manager.tp_group),
                 1,
                 hints={"stock": STOCK_HINT, "protocol": STOCK_HINT},
             )
         self.agreed = False
         self.draining = False  # inside drain_before_retraction: upstream's path
-        self.metrics: Any = metrics_for(manager) if self.static.pipelined else None
-        self.announced: Optional[tuple] = None
+        if self.static.pipelined:
+            self.metrics = metrics_for(manager)
 
     def decide(self, manager) -> Decision:
         if not self.static.pipelined:
@@ -93,16 +77,16 @@ class OffloadSyncState:
         if not self.agreed:
             self.agree()
         if not self.enabled:
-            return Decision(False, f"{OFFLOAD_SYNC_VAR}=0")
+            return blocking(f"{OFFLOAD_SYNC_VAR}=0", "feature_disabled_by_env")
         if self.draining:
-            return Decision(False, "drain_before_retraction (pops everything now)")
+            return blocking("drain_before_retraction (pops everything now)", "draining")
         return self.static
 
     def agree(self) -> None:
         """Once, blocking, in upstream's layout: see the module docstring."""
         s = CODE + int(self.enabled)
         try:
-            lo, hi = agreement_reduce(self.static.group, [s, -s])
+            lo, hi = self.collectives.int32_min(self.static.group, [s, -s])
         except Exception as exc:
             raise HiCacheAckSyncError(
                 f"HiCache decode offload sync: the one-time agreement failed ({exc})"
@@ -121,22 +105,12 @@ class OffloadSyncState:
             )
         self.agreed = True
 
+    def path_line(self, decision: Decision) -> str:
+        line = super().path_line(decision)
+        return line[:-1] + ", depth 1)" if decision.pipelined else line
+
     def announce(self, decision: Decision) -> None:
-        ack_sync.announce_path(self, decision, "HiCache decode offload sync", ", depth 1", logger)
-
-
-def changed_methods() -> list[str]:
-    """The manager's methods whose live fingerprint differs from the verified one."""
-    from .upstream import BODY, Target, probe_live
-
-    out = []
-    for name, fp in VERIFIED_FINGERPRINTS.items():
-        probe = probe_live(
-            Target(MANAGER_MODULE, f"DecodeKVCacheOffloadManager.{name}", None, BODY, "")
-        )
-        if probe.fingerprint != fp:
-            out.append(name)
-    return out
+        announce_path(self, decision)
 
 
 def metrics_for(manager):
@@ -152,40 +126,35 @@ def metrics_for(manager):
 
 
 def static_decision(manager, release: Optional[str]) -> Decision:
-    verified = ", ".join(VERIFIED_RELEASES)
-    if release not in VERIFIED_RELEASES:
-        seen = release or "an untested release"
-        return Decision(
-            False, f"SGLang's decode offload path here is that of {seen}; verified on {verified}"
-        )
-    changed = changed_methods()
-    if changed:
-        return Decision(
-            False, f"DecodeKVCacheOffloadManager.{', '.join(changed)} differ from {verified}"
+    if release is None:
+        return blocking(
+            "the guard matched no tested release for DecodeKVCacheOffloadManager's "
+            "methods (docs/versions.md)",
+            "untested_release",
         )
     cc = getattr(manager, "cache_controller", None)
     missing = [q for q in QUEUES if not hasattr(cc, q)]
     if missing:
-        return Decision(False, f"the offload controller lacks {', '.join(missing)}")
+        return blocking(f"the offload controller lacks {', '.join(missing)}", "missing_attrs")
     ws = int(getattr(manager, "tp_world_size", 1))
     if ws <= 1:
-        return Decision(False, "world size 1: upstream runs no collective, nothing to hide")
-    return Decision(True, "TP group", manager.tp_group, ws)
+        return blocking(
+            "world size 1: upstream runs no collective, nothing to hide", "world_size_1"
+        )
+    return Decision(True, "TP group", group=manager.tp_group, world_size=ws)
 
 
 def state_of(manager) -> Optional[OffloadSyncState]:
-    return manager.__dict__.get(_STATE_ATTR)
+    return manager.__dict__.get(STATE_ATTR)
 
 
 def attach_state(manager, enabled: bool, release: Optional[str]) -> OffloadSyncState:
-    state = OffloadSyncState(manager, enabled, release)
-    manager.__dict__[_STATE_ATTR] = state
-    return state
+    return keep_state(manager, STATE_ATTR, OffloadSyncState(manager, enabled, release))
 
 
 def _head(manager):
     def head(name, n: int) -> list:
-        return ack_sync._queue_head(getattr(manager.cache_controller, str(name), None), n)
+        return queue_head(getattr(manager.cache_controller, str(name), None), n)
 
     return head
 
@@ -235,3 +204,47 @@ def drain_before_retraction(state: Optional[OffloadSyncState], manager, original
         return original(manager, *a, **kw)
     finally:
         state.draining = False
+
+
+# ------------------------------------------------------------------------ hooks
+# Target: sglang.srt.disaggregation.decode_kvcache_offload_manager.
+# DecodeKVCacheOffloadManager (0.5.21-0.5.23 by the guard's table; 0.5.20 has no
+# drain_before_retraction). Upstream PR: none yet (the ack sync's #39903 pattern
+# on the offload queues); removable when upstream pipelines this reduce.
+
+
+@hook
+def around_check_offload_progress(original, manager, *args, **kwargs):
+    """check_offload_progress, AROUND.
+    Why: a blocking MIN all_reduce of the two queue sizes every decode step.
+    How: at the first call, one blocking agreement in upstream's own layout
+    (a stock peer or one with the setting off is named); then consume the
+    reduce issued the step before, pop through upstream's _check_offload_progress
+    / _check_backup_progress by identity, count every queued entry, issue async.
+    Stands down: world size 1, missing queues, the setting off: upstream's
+    method (after draining what is in flight), reason logged."""
+    state = state_of(manager)
+    if state is None:  # the setting is read at the manager's first step
+        release = feature_release("decode_offload")
+        state = attach_state(manager, offload_sync_enabled(), release)
+    return check_offload_progress(state, manager, original, *args, **kwargs)
+
+
+@hook
+def around_drain_before_retraction(original, manager, *args, **kwargs):
+    """drain_before_retraction, AROUND.
+    Why: a retraction must find every offload popped, as upstream leaves it.
+    How: its check_offload_progress runs upstream's blocking path (after
+    popping the reduce in flight); no log line.
+    Stands down: never needed; it only marks the call."""
+    return drain_before_retraction(state_of(manager), manager, original, *args, **kwargs)
+
+
+FEATURE = Feature(
+    "decode_offload",
+    (
+        Hook(MANAGER_CLASS, "check_offload_progress", "AROUND", around_check_offload_progress),
+        Hook(MANAGER_CLASS, "drain_before_retraction", "AROUND", around_drain_before_retraction),
+    ),
+    order="none: its two hooks wrap different methods of a class no other feature hooks",
+)

@@ -15,7 +15,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .sim_cache import Entry, RecordingQueue, SimController, SimEvent
+from .cache import Entry, RecordingQueue, SimController, SimEvent
 
 
 class SimReq:

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
-from ..ack_sync import STORAGE_QUEUES
-from .sim_cache import SimCache
+from ..features.ack_sync import STORAGE_QUEUES
+from .cache import SimCache
 
 
 class StepClock:
