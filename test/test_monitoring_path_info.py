@@ -200,3 +200,51 @@ def test_inert_hook_publishes_off_with_the_caches_labels_and_nothing_without_met
         ("0", "ack_counts", "off", "untested_release"): 1.0,
         ("0", "prefetch_votes", "off", "untested_release"): 1.0,
     }, info
+
+
+def _noop_statement(node) -> None:
+    import ast
+
+    node.body.insert(len(node.body), ast.parse("_drifted_by_test = None").body[0])
+
+
+def _registered(monkeypatch) -> list:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from hicache_async_ack import guard, sglang_plugin
+    from hicache_async_ack.env import ALLOW_UNTESTED_VAR, ENABLE_VAR
+
+    calls: list = []
+    monkeypatch.setattr(
+        HookRegistry, "register", lambda target, fn, kind: calls.append((target, fn.__name__))
+    )
+    monkeypatch.setattr(guard, "JUDGED", guard.Judged())
+    for var in (ENABLE_VAR, ALLOW_UNTESTED_VAR):
+        monkeypatch.delenv(var, raising=False)
+    sglang_plugin.register()
+    return calls
+
+
+def test_an_inert_plugin_registers_only_the_path_info_hook(monkeypatch):
+    """The version guard refuses a changed SGLang method: no sync hook, only
+    the AFTER init_hicache hook that exports path "off" (the inert capture in
+    test/data/monitoring/inert.* shows what it exports on a real server)."""
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    from hicache_async_ack.guard import CACHE_CLASS
+    from hicache_async_ack.testing.drift import drifted
+
+    monkeypatch.setattr(
+        UnifiedRadixCache,
+        "writing_check",
+        drifted(UnifiedRadixCache.writing_check, _noop_statement),
+    )
+    assert _registered(monkeypatch) == [
+        (f"{CACHE_CLASS}.init_hicache", "after_init_hicache_path_info")
+    ]
+
+
+def test_a_tested_sglang_registers_the_sync_hooks_and_no_path_info_hook(monkeypatch):
+    calls = _registered(monkeypatch)
+    assert calls, "no hook registered on a tested SGLang"
+    assert "after_init_hicache_path_info" not in {name for _, name in calls}, calls

@@ -45,7 +45,12 @@ def registered(monkeypatch, caplog):
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     calls: list = []
-    monkeypatch.setattr(HookRegistry, "register", lambda *a, **k: calls.append(a[0]))
+
+    def record(target, fn, *a, **k):  # the sync hooks (not the inert path-info one)
+        if fn.__name__ != "after_init_hicache_path_info":
+            calls.append(target)
+
+    monkeypatch.setattr(HookRegistry, "register", record)
     for var in (ENABLE_VAR, ALLOW_UNTESTED_VAR):
         monkeypatch.delenv(var, raising=False)
     caplog.set_level(logging.INFO, logger=LOGGER)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Callable, Hashable, Mapping, Optional
 
+from . import path_info
 from .stamp import DEPTH_LIMIT
 
 logger = logging.getLogger("sglang.srt.mem_cache.hicache_async_ack")
@@ -415,4 +416,8 @@ def announce_path(state: FeatureState, decision: Decision, line: Optional[str] =
     state.announced = key
     if state.metrics is not None:
         state.path_metrics(decision)
+        labels = getattr(state.metrics, "labels", None)
+        if isinstance(labels, Mapping):  # the "why" series; never raises
+            path = path_info.path_of(decision.pipelined)
+            path_info.publish(state.feature, path, decision.code, labels)
     logger.info("%s", state.path_line(decision) if line is None else line)

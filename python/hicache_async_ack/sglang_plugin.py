@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from . import path_info
 from .adapter import hook, is_hooked
 from .env import (
     ALLOW_UNTESTED_VAR,
@@ -70,6 +71,10 @@ def register() -> None:
         return
     verdict = guard_allows(untested_ok)
     if verdict is None:
+        # No sync hook; one that only exports path "off" per rank, so an inert
+        # plugin is visible (sglang:hicache_sync_path_info, docs/monitoring.md).
+        info = path_info.inert_hook("untested_release")
+        HookRegistry.register(f"{CACHE_CLASS}.init_hicache", info, HookType.AFTER)
         return
     registered = 0
     for feature in all_features():
