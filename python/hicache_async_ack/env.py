@@ -2,6 +2,15 @@
 
 Parsed on each call (no import-time caching) so tests and operators can flip them
 between server launches; the adapter reads them once per cache at HiCache init.
+
+One rule for every value, SGLang's own (``sglang.srt.environ``): a boolean is
+accepted as EnvBool accepts it (``value.lower()`` is one of the spellings below, as
+set: no stripping, so ``""`` or ``" 0"`` is not a boolean), an integer as EnvInt
+(``int(value)``); unset means the default. Where SGLang warns and falls back to the
+default, the plugin refuses to start (HiCache init raises, naming the variable and
+what it accepts): a node that silently ran another setting than its peers would
+stop the group later, less clearly. With the plugin off (ENABLE_VAR false) no other
+variable is read, so nothing else can stop the server.
 """
 
 from __future__ import annotations
@@ -66,9 +75,10 @@ class Settings:
 
 
 def parse_bool(name: str, raw: Optional[str], default: bool) -> bool:
-    if raw is None or raw == "":
+    """As SGLang's EnvBool: unset is the default; set, ``raw.lower()`` must be a spelling."""
+    if raw is None:
         return default
-    value = raw.strip().lower()
+    value = raw.lower()
     if value in TRUE_SPELLINGS:
         return True
     if value in FALSE_SPELLINGS:
@@ -80,13 +90,13 @@ def parse_bool(name: str, raw: Optional[str], default: bool) -> bool:
 
 
 def parse_depth(name: str, raw: Optional[str], default: int) -> Union[int, str]:
-    """An integer lag depth, or "auto"."""
-    if raw is None or raw.strip() == "":
+    """An integer lag depth as SGLang's EnvInt reads one (``int(raw)``), or "auto"."""
+    if raw is None:
         return default
-    if raw.strip().lower() == DEPTH_AUTO:
+    if raw.lower() == DEPTH_AUTO:
         return DEPTH_AUTO
     try:
-        depth = int(raw.strip())
+        depth = int(raw)
     except ValueError:
         depth = 0
     if not 1 <= depth <= DEPTH_MAX:
@@ -99,11 +109,14 @@ def parse_depth(name: str, raw: Optional[str], default: int) -> Union[int, str]:
 
 
 def read_settings(environ: Optional[Environ] = None) -> Settings:
-    """Read and validate the plugin's settings; raises ValueError on bad input."""
+    """Read and validate the plugin's settings; raises ValueError on bad input.
+    With the plugin off the depth is not read (the one rule above)."""
     env = os.environ if environ is None else environ
+    if not parse_bool(ENABLE_VAR, env.get(ENABLE_VAR), ENABLE_DEFAULT):
+        return Settings(enabled=False, depth=DEPTH_DEFAULT)
     depth = parse_depth(DEPTH_VAR, env.get(DEPTH_VAR), DEPTH_DEFAULT)
     return Settings(
-        enabled=parse_bool(ENABLE_VAR, env.get(ENABLE_VAR), ENABLE_DEFAULT),
+        enabled=True,
         depth=1 if depth == DEPTH_AUTO else int(depth),
         auto=depth == DEPTH_AUTO,
     )

@@ -7,7 +7,7 @@ format changes between Python versions); positions are not fields; empty and Non
 fields are left out, so a field that a newer Python adds with an empty default
 changes nothing; docstrings, comments, formatting and type annotations do not count.
 Constants keep their type, so ``1`` and ``'1'`` differ. No SGLang here: the targets
-and the verdict are :mod:`hicache_async_ack.upstream`'s.
+and the verdict are :mod:`hicache_async_ack.guard`'s.
 """
 
 from __future__ import annotations

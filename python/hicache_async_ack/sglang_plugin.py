@@ -46,11 +46,13 @@ def register() -> None:
     """Entry point called by SGLang's load_plugins() in every process."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    untested_ok = False
     try:
         settings = read_settings()
-        untested_ok = allow_untested()
-        prefetch_votes_enabled()  # validated here; read per cache at init
-        offload_sync_enabled()  # validated here; read at the manager's first step
+        if settings.enabled:  # with the plugin off nothing else is read (env.py)
+            untested_ok = allow_untested()
+            prefetch_votes_enabled()  # validated here; read per cache at init
+            offload_sync_enabled()  # validated here; read at the manager's first step
     except ValueError as error:
         # load_plugins() swallows exceptions from plugins; raise from a hook at
         # HiCache init instead so the server refuses to start with a bad value.
