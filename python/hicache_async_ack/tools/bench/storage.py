@@ -168,7 +168,8 @@ def _counts_now(root: Path) -> dict:
 
 
 def _delta(after: dict, before: dict) -> dict:
-    return {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    """The round's share of the counters (prefetch_max is a running maximum: kept)."""
+    return {k: v if k == "prefetch_max" else v - before.get(k, 0) for k, v in after.items()}
 
 
 def round_figures(replies: list[dict], wall: float, counts: dict) -> dict:

@@ -269,7 +269,14 @@ class Mooncake:
     def restart(self) -> None:
         """A fresh master (empty store) on the same ports, in the same namespace."""
         self.kill()
-        self._start_master()
+        for attempt in range(3):
+            try:
+                return self._start_master()
+            except MasterFailed:
+                # Its old sockets may hold the ports a moment (TIME_WAIT).
+                if attempt == 2:
+                    raise
+                time.sleep(2.0)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
