@@ -210,3 +210,73 @@ def test_buffer_only_follower_reduces_over_the_attention_groups_with_local_count
     ]
     assert async_reduces == []
     stays_blocking(cache, kind)
+
+
+# ------------------------------------------------- next to a plugin rank (gloo)
+def _mixed_rank(rank: int, port: int, out) -> None:
+    """Rank 0: this patched tree's pipelined step. Rank 1: what a rank running
+    the plugin sends on the same reduce, its stamp made by the plugin's own
+    stamp code (>= 2**58). Sends (rank, error text, popped)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from hicache_async_ack.stamp import PROTOCOL_VERSION, pack_stamp
+
+    timeout = timedelta(seconds=300)
+    error, popped = "", []
+    try:
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
+        if rank == 0:
+            sim = build_cache(tp_group=dist.group.WORLD, tp_world_size=2)
+            sim.cache.__dict__["ack_sync"] = None
+            attach_in_tree(sim.cache)
+            assert sim.cache.ack_sync is not None, "the in-tree rank must pipeline"
+            for kind in ("write", "load"):
+                sim.add_ack(kind, lambda: True)  # ready everywhere: popped if agreed
+            try:
+                for _ in range(3):
+                    sim.cache.check_hicache_events()
+            finally:
+                popped = sim.take_pops()
+        else:
+            x = pack_stamp(PROTOCOL_VERSION, False, 1, 0, 0)
+            tensor = torch.tensor([0, 0, x, -x], dtype=torch.int64)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        dist.destroy_process_group()
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    out.put((rank, error, popped))
+
+
+def test_next_to_a_plugin_rank_the_in_tree_rank_names_the_plugin_before_any_pop():
+    """Issue 22 point 5, the in-tree side, over real gloo on 127.0.0.1."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from hicache_async_ack.stamp import IN_TREE_LIMIT, PROTOCOL_VERSION, pack_stamp
+
+    assert pack_stamp(PROTOCOL_VERSION, False, 1, 0, 0) >= IN_TREE_LIMIT  # the contract
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
+    )
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_mixed_rank, args=(r, store.port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = {r: (e, popped) for r, e, popped in (out.get(timeout=900) for _ in procs)}
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    error, popped = results[0]
+    assert "a peer runs the hicache-async-ack plugin" in error, results
+    assert "SGLANG_PLUGINS" in error and popped == []
+    assert results[1][0] == "", results  # the stand-in sent its reduce and left
