@@ -75,10 +75,10 @@ class AutoDepth:
     collective. An observation says how many steps some rank waited (rounded
     up) and whether the next reduce was still in flight.
 
-    * A wait of two steps or more raises the depth by that many at once: the
-      depth that would not have waited (a latency step, not noise).
-    * A wait under two steps raises it by one once some rank waited on
-      ``raise_after`` consecutive consumed reduces (one short wait is noise).
+    * Once some rank waited on ``raise_after`` consecutive consumed reduces
+      (a sustained latency: one long reduce is an outlier and moves nothing),
+      the depth rises by the smallest of those waits in steps: the depth that
+      would not have waited on any of them, at once.
     * Lower by one when, on ``lower_after`` consecutive ones, nobody waited and
       every rank found the next reduce already complete.
 
@@ -95,6 +95,7 @@ class AutoDepth:
     lower_after: int = 16
     depth: int = 1
     _waits: int = 0
+    _streak_min: int = 0  # the smallest wait (steps) of the current streak of waits
     _clean: int = 0
     _settled_after: int = 0  # reduces issued up to this step predate the last change
     # the latest changes, (step, from, to): for the log and the tests
@@ -104,13 +105,15 @@ class AutoDepth:
         if issued_step <= self._settled_after:
             return self.depth
         waited, next_pending = obs_max >> 1, obs_max & 1
-        self._waits = self._waits + 1 if waited else 0
+        if waited:
+            self._streak_min = min(self._streak_min, waited) if self._waits else waited
+            self._waits += 1
+        else:
+            self._waits = 0
         self._clean = self._clean + 1 if not waited and not next_pending else 0
         new = self.depth
-        if waited >= 2:
-            new = min(self.hi, self.depth + waited)
-        elif self._waits >= self.raise_after:
-            new = min(self.hi, self.depth + 1)
+        if self._waits >= self.raise_after:
+            new = min(self.hi, self.depth + self._streak_min)
         elif self._clean >= self.lower_after and self.depth > self.lo:
             new = self.depth - 1
         if new != self.depth:
