@@ -2,18 +2,26 @@
 
 One server per class (torn down when the class is done, so idle schedulers do
 not compete for the two cores): write-back with the normal (non-overlap)
-scheduler loop, the plugin excluded by SGLANG_PLUGINS, and TP=4.
+scheduler loop, the plugin excluded by SGLANG_PLUGINS, and TP=4. In each, the
+prompts re-sent once their prefixes were evicted to host give the first answers,
+tokens and logprobs (e2e_servers.compare, the check the negative control fails).
 """
 
 from __future__ import annotations
-
-import threading
 
 import pytest
 
 from hicache_async_ack.env import PLUGINS_VAR
 
-from e2e_servers import host_tokens, metric_samples, popped_by_rank, prompts, serve
+from e2e_servers import (
+    ask,
+    ask_together,
+    assert_same,
+    metric_samples,
+    popped_by_rank,
+    prompts,
+    serve,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -21,10 +29,12 @@ PROMPTS = prompts(10, seed=1)
 
 
 def resend_hits(server) -> list[int]:
-    """Overflow the device pool, then re-send the first prompts: host-hit tokens."""
-    for p in PROMPTS:
-        server.generate(p, max_new_tokens=4)
-    return [host_tokens(server.generate(p, max_new_tokens=4)) for p in PROMPTS[:4]]
+    """Overflow the device pool, then re-send the first prompts: host-hit tokens per
+    re-sent prompt, once their answers were checked against the first ones."""
+    first = [ask(server, p, max_new_tokens=4) for p in PROMPTS]
+    again = [ask(server, p, max_new_tokens=4) for p in PROMPTS[:4]]
+    assert_same(first[:4], again)
+    return [r.host for r in again]
 
 
 def assert_pipelined(server, ranks: int) -> None:
@@ -52,21 +62,11 @@ class TestWriteBackNormalLoop:
 
     def test_concurrent_requests_and_flush(self, server):
         burst = prompts(8, seed=3)
-        replies: dict = {}
-        threads = [
-            threading.Thread(
-                target=lambda i=i: replies.__setitem__(i, server.generate(burst[i], 12))
-            )
-            for i in range(len(burst))
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        assert sorted(replies) == list(range(len(burst)))
+        replies = ask_together(server, burst, max_new_tokens=12)
         assert b"Cache flushed" in server.post("/flush_cache?timeout=30")
-        again = server.generate(burst[0], 12)
-        assert again["text"] == replies[0]["text"]  # greedy, same weights: same tokens
+        # Alone and recomputed (nothing left to restore): the batch's answers.
+        again = [ask(server, text, max_new_tokens=12) for text in burst[:2]]
+        assert_same(replies[:2], again, restored=False)
         assert not server.exited()
 
 

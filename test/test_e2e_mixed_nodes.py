@@ -55,6 +55,7 @@ def test_a_node_configured_otherwise_stops_both_and_the_cause_is_named(
                 _poke(nodes[0])  # steps with traffic, if it ever serves
             time.sleep(2.0)
         logs = [n.log() for n in nodes]
+        assert len(nodes) == 2  # all() below is over both nodes, never over none
         assert all(n.exited() for n in nodes), "a node still runs:\n" + logs[0][-3000:]
         # Node 0 pipelines, and knows: its log says why.
         assert cause in logs[0], logs[0][-4000:]
