@@ -355,3 +355,31 @@ def test_a_failed_server_start_is_retried_then_reported(monkeypatch):
     assert bench_server.start(ok, "stock-0ms-r0", quiet=True) == 3
     with pytest.raises(ToolError, match="did not start 3 times"):
         bench_server.start(Flaky(3), "stock-0ms-r0", quiet=True)
+
+
+def test_an_earlier_runs_visits_are_reported_without_running_anything(tmp_path, capsys):
+    from hicache_async_ack.tools.bench import server as bench_server
+
+    visits = _visits({("l1", 0.0): [60.0, 66.0], ("bound", 0.0): [80.0, 90.0],
+                      ("stock", 3.2): [50.0, 52.0], ("plugin", 3.2): [75.0, 92.0]})  # fmt: skip
+    for v in visits:
+        v |= {"runs": [{"host_share": 0.38, "loadavg_start": [9.0, 0, 0],
+                        "loadavg_end": [9.5, 0, 0]}],
+              "loadavg_start": [9.0, 0, 0], "loadavg_end": [9.5, 0, 0], "startup_s": 40.0,
+              "wall_s": 300.0, "pipelined_ranks": 2 if v["arm"] == "plugin" else 0}  # fmt: skip
+    src = tmp_path / "visits.jsonl"
+    src.write_text("".join(json.dumps(v) + "\n" for v in visits))
+    out = tmp_path / "r.jsonl"
+    args = build_parser().parse_args([
+        "bench-server", "--workload", "multiturn", "--arms", "l1,stock,plugin,bound",
+        "--latency-ms", "3.2", "--from-visits", str(src), "--out", str(out),
+        "--png", str(tmp_path / "r.png"), "--workdir", str(tmp_path), "--quiet",
+    ])  # fmt: skip
+    assert bench_server.run(args) == 0
+    text = capsys.readouterr().out
+    assert "8 server runs in 40.0 min" in text and "2 rounds" in text
+    record = json.loads(out.read_text())
+    assert record["config"]["rounds"] == 2 and len(record["visits"]) == 8
+    names = {r["ratio"] for r in record["ratios"]}
+    assert {"plugin / stock", "plugin / bound", "plugin / L1", "bound / L1"} <= names
+    assert all(r["verdict"] == stats.INCONCLUSIVE for r in record["ratios"] if r["n"] < 2)

@@ -21,8 +21,11 @@ import json
 import os
 import random
 import re
+import subprocess
 import sys
 from pathlib import Path
+
+from ..options import ToolError
 
 CHAT_TEMPLATE = "chatml"  # SGLang's built-in; the bundled tokenizer carries none
 
@@ -107,6 +110,38 @@ def host_share(result: dict) -> float | None:
     rep = result.get("cache_report") or {}
     total, host = rep.get("total_prompt_tokens"), rep.get("host_cached_tokens")
     return host / total if total and host is not None else None
+
+
+def run_client(
+    argvs: list[list[str]], workdir: Path, name: str, timeout_s: float
+) -> tuple[list[dict], list[dict]]:
+    """bench_serving once per argv, in one interpreter; its results and load averages."""
+    spec, loads = workdir / f"client-{name}.json", workdir / f"load-{name}.json"
+    spec.write_text(json.dumps(argvs))
+    log = workdir / f"bench-{name}.log"
+    cmd = [sys.executable, "-m", "hicache_async_ack.tools.bench.multiturn", str(spec), str(loads)]
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            rc = proc.wait(timeout_s * len(argvs))
+        except BaseException:  # a timeout, Ctrl-C or SIGTERM: the client goes too
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            rc = -9
+            if not isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
+                raise
+    outs = [Path(a[a.index("--output-file") + 1]) for a in argvs]
+    if rc != 0 or not all(o.exists() for o in outs):
+        tail = log.read_text(errors="replace").splitlines()[-30:]
+        raise ToolError(f"bench_serving failed (exit {rc}); its log {log}:\n" + "\n".join(tail))
+    results = [json.loads(o.read_text().strip().splitlines()[-1]) for o in outs]
+    return results, json.loads(loads.read_text())
 
 
 def main(argv: list[str]) -> int:

@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -125,36 +124,6 @@ def gsp_args(cfg: dict, port: int, model: Path, out: Path, seed: int) -> list[st
     return args
 
 
-def run_client(argvs: list[list[str]], workdir: Path, name: str) -> tuple[list[dict], list[dict]]:
-    """bench_serving once per argv, in one interpreter; its results and load averages."""
-    spec, loads = workdir / f"client-{name}.json", workdir / f"load-{name}.json"
-    spec.write_text(json.dumps(argvs))
-    log = workdir / f"bench-{name}.log"
-    cmd = [sys.executable, "-m", "hicache_async_ack.tools.bench.multiturn", str(spec), str(loads)]
-    with open(log, "ab") as f:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        try:
-            rc = proc.wait(BENCH_TIMEOUT_S * len(argvs))
-        except BaseException:  # a timeout, Ctrl-C or SIGTERM: the client goes too
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            rc = -9
-            if not isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
-                raise
-    outs = [Path(a[a.index("--output-file") + 1]) for a in argvs]
-    if rc != 0 or not all(o.exists() for o in outs):
-        tail = log.read_text(errors="replace").splitlines()[-30:]
-        raise ToolError(f"bench_serving failed (exit {rc}); its log {log}:\n" + "\n".join(tail))
-    results = [json.loads(o.read_text().strip().splitlines()[-1]) for o in outs]
-    return results, json.loads(loads.read_text())
-
-
 def plugin_state(server) -> dict:
     """What the server's own /metrics says about the ack sync, summed over ranks."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -202,7 +171,7 @@ def visit(cfg: dict, conf: tuple, rnd: int, workdir: Path, quiet: bool) -> dict:
                 argvs.append(multiturn.bench_args(cfg, server.port, model, trace, lanes, out))
             else:
                 argvs.append(gsp_args(cfg, server.port, model, out, seed))
-        results, loads = run_client(argvs, workdir, name)
+        results, loads = multiturn.run_client(argvs, workdir, name, BENCH_TIMEOUT_S)
         state = plugin_state(server) if arm != "l1" else {"pipelined_ranks": 0}
     finally:
         server.stop()
@@ -299,13 +268,19 @@ def run(args) -> int:
     load_at_start = os.getloadavg()
     t0 = time.monotonic()
     visits = []
-    for rnd, order in enumerate(rounds_of(cfg)):
+    if args.from_visits:  # an earlier run's visits, complete or cut short: report only
+        visits = [json.loads(x) for x in Path(args.from_visits).read_text().splitlines() if x]
+        cfg["rounds"] = len({v["round"] for v in visits})
+        load_at_start = visits[0]["loadavg_start"] if visits else load_at_start
+    for rnd, order in enumerate([] if args.from_visits else rounds_of(cfg)):
         for conf in order:
             visits.append(visit(cfg, conf, rnd, workdir, args.quiet))
             with open(workdir / "visits.jsonl", "a") as f:  # survives a failed later visit
                 f.write(json.dumps(visits[-1]) + "\n")
+    wall_s = sum(v["wall_s"] for v in visits) if args.from_visits else time.monotonic() - t0
     table = ratios(cfg, visits)
-    print_report(cfg, visits, table, load_at_start, os.getloadavg(), time.monotonic() - t0, workdir)
+    load_end = visits[-1]["loadavg_end"] if args.from_visits and visits else os.getloadavg()
+    print_report(cfg, visits, table, load_at_start, load_end, wall_s, workdir)
     record = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "kind": "server",
@@ -314,7 +289,7 @@ def run(args) -> int:
         "cpu_count": os.cpu_count(),
         "loadavg_start": load_at_start,
         "loadavg_end": os.getloadavg(),
-        "wall_s": time.monotonic() - t0,
+        "wall_s": wall_s,
         "visits": visits,
         "ratios": table,
     }
@@ -483,6 +458,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--server-arg=--disable-overlap-schedule)",
     )
     p.add_argument("--start-timeout-s", type=float, default=900.0)
+    p.add_argument(
+        "--from-visits",
+        metavar="VISITS.jsonl",
+        help="run nothing: report an earlier run's visits (its workdir's visits.jsonl, "
+        "also of a run cut short), with the same options that described it",
+    )
     p.add_argument("--workdir", help="server and bench_serving logs (default: a temp dir)")
     p.add_argument("--out", metavar="FILE.jsonl", help="append one JSON object per invocation")
     p.add_argument("--png", metavar="FILE")
