@@ -489,7 +489,8 @@ def _pytest(env: dict[str, str], cwd: Path, *args: str) -> tuple[int, int, str]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        # spawned gloo ranks each import SGLang: minutes on a busy 2-core box
+        timeout=1800,
     )
     passed = re.search(r"(\d+) passed", done.stdout)
     tail = (done.stdout + done.stderr)[-6000:]
