@@ -242,11 +242,14 @@ def test_the_setting_names_its_accepted_values():
 
 def test_window_covers_every_operation_when_there_are_more_than_slots():
     n = votes.VOTE_SLOTS * 2 + 7
+    keys = list(range(n))
+    last: dict = {}
     seen = set()
-    for p in range(3):
-        w = list(votes.window(n, p))
+    for p in range(3):  # ceil(n / slots) passes cover all of them
+        w = list(votes.window(keys, last))
         assert len(w) == votes.VOTE_SLOTS == len(set(w))
         seen.update(w)
+        last.update({keys[i]: p for i in w})
     assert seen == set(range(n))
 
 

@@ -23,9 +23,12 @@ the protocol) stop with :class:`PrefetchVoteMismatch` before any verdict is used
 
 Fixed size. Gloo aborts the process when two ranks pair collectives of different
 sizes, so the vector always has ``VOTE_SLOTS`` slots: with more operations than
-that, each pass votes on the next ``VOTE_SLOTS`` of them in key order (a window
-every rank computes from the same agreed count), and an operation outside this
-pass's window keeps waiting until its turn.
+that, each pass votes on the ``VOTE_SLOTS`` that were voted on longest ago (never
+first, then by key): a round robin by staleness that every rank derives from the
+same history (the same agreed sets, pass after pass), so every operation is voted
+on at least once every ``ceil(n / VOTE_SLOTS)`` passes whatever order its key sorts
+in and however the set churns (a window sliding by ``VOTE_SLOTS mod n`` let the
+same operation fall outside it for hundreds of passes).
 """
 
 from __future__ import annotations
@@ -75,12 +78,14 @@ def set_digest(keys: Sequence[Hashable]) -> int:
     return int.from_bytes(h.digest(), "big") % STOCK_LIMIT
 
 
-def window(n: int, pass_no: int) -> range | list[int]:
-    """Indices (into the key-sorted operations) voted on at ``pass_no``."""
+def window(keys: Sequence[Hashable], last_voted: Mapping[Hashable, int]) -> range | list[int]:
+    """Indices (into the key-sorted operations ``keys``) voted on this pass: all
+    of them if they fit, else the VOTE_SLOTS voted on longest ago, in key order."""
+    n = len(keys)
     if n <= VOTE_SLOTS:
         return range(n)
-    start = (pass_no * VOTE_SLOTS) % n
-    return [(start + i) % n for i in range(VOTE_SLOTS)]
+    stale = sorted(range(n), key=lambda i: (last_voted.get(keys[i], -1), i))
+    return sorted(stale[:VOTE_SLOTS])
 
 
 @dataclass
@@ -123,6 +128,9 @@ class PipelinedVotes:
         self._pending: Optional[_Ballot] = None
         self._failed: Optional[BaseException] = None
         self._passes = 0
+        # key -> the pass it was last voted on (only while there are more
+        # operations than slots: below that, every one is voted on every pass)
+        self._last_voted: dict[Hashable, int] = {}
 
     @property
     def pending(self) -> int:
@@ -155,10 +163,19 @@ class PipelinedVotes:
         x = pack_stamp(VOTES_PROTOCOL, False, 1, set_digest([k for k, _, _ in ranked]), 0)
         values = [n, -n, x, -x] + [NO_VOTE] * VOTE_SLOTS
         picked = []
-        for slot, i in enumerate(window(n, self._passes)):
+        keys = [k for k, _, _ in ranked]
+        chosen = window(keys, self._last_voted)
+        for slot, i in enumerate(chosen):
             _, op, stop = ranked[i]
             picked.append(op)
             values[HEADER + slot] = 0 if stop else NO_VOTE
+        if n <= VOTE_SLOTS:
+            self._last_voted.clear()  # all voted: no one is staler than another
+        else:
+            last = self._last_voted
+            self._last_voted = {k: last[k] for k in keys if k in last}
+            for i in chosen:
+                self._last_voted[keys[i]] = self._passes
         try:
             handle = self.collective(values)
         except Exception as exc:  # re-raised with context
