@@ -1,7 +1,7 @@
 """``hicache-async-ack upstream-patch``: the ack sync as a patch to SGLang itself.
 
 Writes to stdout a unified diff against the installed SGLang (or
-``--sglang-src``) that adds ``sglang/srt/mem_cache/hicache_ack_sync.py`` (a
+``--sglang-src``) that adds ``sglang/srt/mem_cache/unified_cache/hicache_ack_sync.py`` (a
 small helper created in ``init_hicache``), uses it in
 ``UnifiedRadixCache.check_hicache_events``, declares the two settings in the
 radix-cache section of ``sglang/srt/environ.py``, and adds SGLang-layout tests
@@ -41,7 +41,7 @@ from .options import ToolError
 SUMMARY = "write the in-tree form (a patch to SGLang) to stdout"
 DESCRIPTION = (
     "Write to stdout a unified diff that puts the pipelined HiCache ack sync into "
-    "SGLang itself: a new helper sglang/srt/mem_cache/hicache_ack_sync.py used by "
+    "SGLang itself: a new helper sglang/srt/mem_cache/unified_cache/hicache_ack_sync.py used by "
     "UnifiedRadixCache.check_hicache_events, the two settings in "
     "sglang/srt/environ.py, and SGLang-layout tests. Computed from the installed "
     "SGLang (or --sglang-src); apply with: patch -p1 -d <directory holding sglang/> "
