@@ -10,11 +10,12 @@
 #   scripts/bench.sh --server-only [bench-server args]
 #   scripts/bench.sh --seed-table [bench-server args]
 #       the seed's table: L1, stock, plugin and the zero-sync bound, multi-turn
-#       (8 lanes x 6 turns), 0 and 3.2 ms, TP=2, 5 rounds (~45 min on a quiet box;
-#       add --tp 4 for TP=4)
+#       (8 lanes x 6 turns, 3 runs per server), 0 and 3.2 ms, TP=2, 5 rounds: 30 server
+#       starts (~35 min on a quiet box, estimated from the per-start cost; add --tp 4)
 #   scripts/bench.sh --sweep [bench-server args]
 #       how the gain grows with the work: 4, 8, 16, 32 lanes at 3.2 ms, stock, plugin
-#       and the bound, 3 rounds, a plot of plugin/stock and plugin/bound (~60 min)
+#       and the bound, 3 rounds, a plot of plugin/stock and plugin/bound: 36 server
+#       starts (~45 min on a quiet box, estimated)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$(bash "$root/scripts/setup.sh")
@@ -25,11 +26,11 @@ case "${1:-}" in
   --no-server) shift; exec "$cli" bench "$@" ;;
   --server-only) shift; exec "$cli" bench-server "$@" ;;
   --seed-table) shift
-    exec "$cli" bench-server "${seed_arms[@]}" --latency-ms 0,3.2 --rounds 5 \
+    exec "$cli" bench-server "${seed_arms[@]}" --latency-ms 0,3.2 --rounds 5 --runs 3 \
       --out bench-seed-table.jsonl --png bench-seed-table.png "$@" ;;
   --sweep) shift
     exec "$cli" bench-server --workload multiturn --arms stock,plugin,bound \
-      --latency-ms 3.2 --lanes 4,8,16,32 --rounds 3 --hicache-ratio 64 \
+      --latency-ms 3.2 --lanes 4,8,16,32 --rounds 3 --runs 2 --hicache-ratio 64 \
       --out bench-sweep.jsonl --png bench-sweep.png "$@" ;;
 esac
 "$cli" bench "$@"
