@@ -34,7 +34,12 @@ from e2e_servers import (
     BASE_ARGS,
     START_TIMEOUT_S,
     STOCK_ENV,
-    host_tokens,
+    Reply,
+    ask,
+    ask_together,
+    assert_cache_dependent,
+    assert_same,
+    compare,
     metric_samples,
     popped_by_rank,
     prompts,
@@ -58,8 +63,9 @@ REQUEST_TIMEOUT_S = 300.0
 
 # What the module learned, for the report (and the closing note).
 FINDINGS: dict = {"hit_ratio": {}, "faults": [], "startup_s": {}}
-# The cache-mode servers' first-pass texts: the fault-free reference.
-REFERENCE: dict[str, list[str]] = {}
+# The cache-mode servers' first-pass replies (computed, no cache): the fault-free
+# reference of every later check, tokens and logprobs (e2e_servers.compare).
+REFERENCE: dict[str, list[Reply]] = {}
 
 
 @pytest.fixture(scope="module")
@@ -106,14 +112,14 @@ def start_arms(masters, workdir: Path, name: str, extra=()) -> dict[str, Mooncak
     return servers
 
 
-def send_all(server, texts, max_new_tokens=8, rids=None) -> dict:
-    """Every text at once (their prefetches are in flight together): {i: reply or error}."""
+def send_all(server, texts, rids=None) -> dict:
+    """Every text at once (their prefetches in flight together): {i: Reply, raw reply
+    dict (with ``rids``: those can be aborted) or the exception}."""
     out: dict = {}
 
     def send(i: int) -> None:
         try:
-            extra = {"rid": rids[i]} if rids else {}
-            out[i] = _generate(server, texts[i], max_new_tokens, **extra)
+            out[i] = _generate(server, texts[i], rids[i]) if rids else ask(server, texts[i])
         except Exception as exc:  # noqa: BLE001 - reported by the caller
             out[i] = exc
 
@@ -125,18 +131,20 @@ def send_all(server, texts, max_new_tokens=8, rids=None) -> dict:
     return out
 
 
-def _generate(server, text, max_new_tokens=8, **extra) -> dict:
-    body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens,
-                                              "temperature": 0}, **extra}  # fmt: skip
+def _generate(server, text: str, rid: str) -> dict:
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    body = {"text": text, "rid": rid, "sampling_params": params}
     return json.loads(server.post("/generate", body, timeout=REQUEST_TIMEOUT_S))
 
 
-def texts_of(replies: dict) -> list:
-    return [r["text"] if isinstance(r, dict) else repr(r) for _, r in sorted(replies.items())]
-
-
-def storage_hits(replies: dict) -> list[int]:
-    return [host_tokens(r, "storage") for _, r in sorted(replies.items()) if isinstance(r, dict)]
+def hit_ratio(replies: list[Reply]) -> dict:
+    hits = [r.storage for r in replies]
+    return {
+        "prompts_with_storage_hit": sum(h > 0 for h in hits),
+        "prompts": len(hits),
+        "storage_tokens": sum(hits),
+        "cached_tokens": sum(r.cached for r in replies),
+    }
 
 
 def master_keys(mc: Mooncake) -> int:
@@ -212,11 +220,9 @@ class TestCacheMode:
 
     @pytest.fixture(scope="class")
     def first_pass(self, servers):
-        out = {}
         for arm, s in servers.items():
-            out[arm] = [_generate(s, p) for p in PROMPTS]
-            REFERENCE[arm] = [r["text"] for r in out[arm]]
-        return out
+            REFERENCE[arm] = [ask(s, p) for p in PROMPTS]
+        return REFERENCE
 
     def test_servers_live_in_the_private_namespace_and_listen_on_no_host_interface(
         self, servers, masters
@@ -244,28 +250,18 @@ class TestCacheMode:
         assert "HiCache ack sync: pipelined" not in servers["stock"].log()
 
     def test_first_pass_same_tokens_plugin_and_stock(self, first_pass):
-        plugin, stock = REFERENCE["plugin"], REFERENCE["stock"]
-        assert len(set(plugin)) > 1  # the prompts do lead to different outputs
-        assert plugin == stock
+        assert_cache_dependent(REFERENCE["plugin"])
+        assert_same(REFERENCE["stock"], REFERENCE["plugin"], restored=False)
 
     def test_flushed_prefixes_come_back_from_mooncake(self, servers, masters, first_pass):
         for arm, s in servers.items():
             assert keys_settled(masters[arm]) > 0, f"{arm}: nothing reached the store"
             flush(s)
             # All ten at once: many storage prefetches in flight together.
-            replies = send_all(s, PROMPTS)
-            assert texts_of(replies) == REFERENCE[arm], arm
-            hits = storage_hits(replies)
-            assert len(hits) == len(PROMPTS)
-            assert any(h > 0 for h in hits), f"{arm}: no storage hit {hits}"
-            prompt_tokens = sum(r["meta_info"]["prompt_tokens"] for r in replies.values())
-            FINDINGS["hit_ratio"][f"cache-{arm}"] = {
-                "prompts_with_storage_hit": sum(h > 0 for h in hits),
-                "prompts": len(hits),
-                "storage_tokens": sum(hits),
-                "prompt_tokens": prompt_tokens,
-                "ratio": round(sum(hits) / prompt_tokens, 3),
-            }
+            replies = ask_together(s, PROMPTS)
+            assert_same(REFERENCE[arm], replies)  # restored: some from Mooncake
+            assert any(r.storage > 0 for r in replies), arm
+            FINDINGS["hit_ratio"][f"cache-{arm}"] = hit_ratio(replies)
 
     def test_votes_pipelined_equal_on_both_ranks_with_many_in_flight(self, servers):
         s = servers["plugin"]
@@ -303,18 +299,10 @@ class TestCacheMode:
         t0 = time.monotonic()
         with second:
             FINDINGS["startup_s"]["second-plugin"] = round(time.monotonic() - t0, 1)
-            replies = send_all(second, PROMPTS)
-        assert texts_of(replies) == REFERENCE["plugin"]
-        hits = storage_hits(replies)
-        assert len(hits) == len(PROMPTS) and any(h > 0 for h in hits), hits
-        prompt_tokens = sum(r["meta_info"]["prompt_tokens"] for r in replies.values())
-        FINDINGS["hit_ratio"]["second-server-plugin"] = {
-            "prompts_with_storage_hit": sum(h > 0 for h in hits),
-            "prompts": len(hits),
-            "storage_tokens": sum(hits),
-            "prompt_tokens": prompt_tokens,
-            "ratio": round(sum(hits) / prompt_tokens, 3),
-        }
+            replies = ask_together(second, PROMPTS)
+        assert_same(REFERENCE["plugin"], replies)
+        assert any(r.storage > 0 for r in replies)
+        FINDINGS["hit_ratio"]["second-server-plugin"] = hit_ratio(replies)
 
     def test_stock_pipelines_nothing(self, servers):
         s = servers["stock"]
@@ -344,7 +332,7 @@ class TestBufferOnly:
             pytest.skip("needs TestCacheMode's fault-free reference texts")
         # Fresh servers: a store's objects live in the segments its servers' ranks
         # mount, so what the cache-mode servers stored left with them.
-        return {arm: send_all(s, PROMPTS) for arm, s in servers.items()}
+        return {arm: ask_together(s, PROMPTS) for arm, s in servers.items()}
 
     def test_paths_and_mode(self, servers):
         # The prefetch votes pipeline in buffer_only too; the ack sync names its
@@ -361,20 +349,20 @@ class TestBufferOnly:
 
     def test_first_pass_same_tokens_as_cache_mode(self, stored):
         for arm, replies in stored.items():
-            assert texts_of(replies) == REFERENCE[arm], arm
+            assert_same(REFERENCE[arm], replies, restored=False)
 
     def test_buffer_only_new_prefixes_come_back_from_the_store(self, servers, masters, stored):
         for arm, s in servers.items():
-            first = {i: _generate(s, p) for i, p in enumerate(BURST)}
+            first = [ask(s, p) for p in BURST]
             keys_settled(masters[arm])
             flush(s)
-            again = send_all(s, BURST)
-            assert texts_of(again) == texts_of(first), arm
-            hits = storage_hits(again)
-            assert any(h > 0 for h in hits), (arm, hits)
-            assert all(host_tokens(r, "host") == 0 for r in again.values()), arm
-            REFERENCE[f"burst-{arm}"] = texts_of(first)
-        assert REFERENCE["burst-plugin"] == REFERENCE["burst-stock"]
+            again = ask_together(s, BURST)
+            assert_same(first, again)
+            assert any(r.storage > 0 for r in again), arm
+            assert all(r.host == 0 for r in again), arm  # host memory only stages
+            FINDINGS["hit_ratio"][f"buffer_only-{arm}"] = hit_ratio(again)
+            REFERENCE[f"burst-{arm}"] = first
+        assert_same(REFERENCE["burst-stock"], REFERENCE["burst-plugin"], restored=False)
 
     def test_votes_and_pops_equal_on_every_rank(self, servers, stored):
         s = servers["plugin"]
@@ -388,12 +376,22 @@ class TestBufferOnly:
     # --- faults, on these servers, after the fault-free checks above ------------------
 
     def _record(self, fault: str, arm: str, replies: dict, expected: list, server, note=""):
-        lost = [i for i, r in replies.items() if not isinstance(r, dict)]
-        wrong = [i for i, r in replies.items() if isinstance(r, dict) and r["text"] != expected[i]]
+        """One row of the fault table: lost requests, wrong tokens (raw replies: text)."""
+        lost = [i for i, r in replies.items() if isinstance(r, Exception)]
+        got = {i: r for i, r in replies.items() if not isinstance(r, Exception)}
+        wrong: list = []
+        pairs = [(expected[i], r) for i, r in sorted(got.items()) if isinstance(r, Reply)]
+        if pairs:
+            c = compare([a for a, _ in pairs], [b for _, b in pairs])
+            wrong += list(c.mismatches)
+        wrong += [
+            i for i, r in got.items() if isinstance(r, dict) and r["text"] != expected[i].text
+        ]
+        storage = [r.storage for r in got.values() if isinstance(r, Reply)]
         FINDINGS["faults"].append({
             "fault": fault, "arm": arm, "requests": len(replies), "lost": len(lost),
             "wrong_tokens": len(wrong), "errors": [repr(replies[i])[:200] for i in lost],
-            "storage_hits": storage_hits(replies), "alive": not server.exited(), "note": note,
+            "storage_hits": storage, "alive": not server.exited(), "note": note,
         })  # fmt: skip
         return lost, wrong
 
@@ -416,8 +414,13 @@ class TestBufferOnly:
         kept = {i: r for i, r in replies.items() if i not in aborted}
         lost, wrong = self._record("abort during prefetches", arm, kept,
                                    REFERENCE[arm], s)  # fmt: skip
+        FINDINGS["faults"][-1]["aborted"] = [
+            (r["meta_info"].get("finish_reason") or {}).get("type")
+            if isinstance(r, dict) else repr(r)[:80]
+            for i, r in sorted(replies.items()) if i in aborted
+        ]  # fmt: skip
         assert not lost and not wrong, FINDINGS["faults"][-1]
-        assert texts_of(send_all(s, PROMPTS)) == REFERENCE[arm]
+        assert_same(REFERENCE[arm], ask_together(s, PROMPTS), restored=False)
 
     @pytest.mark.parametrize("arm", ARMS)
     def test_fault_flush_during_prefetches(self, arm, servers):
@@ -448,17 +451,16 @@ class TestBufferOnly:
         time.sleep(0.3)
         mc.kill()
         sender.join(REQUEST_TIMEOUT_S + 60)
-        # The fault-free tokens of the new prompts: the other arm's, or this
-        # server's own once the store is gone (recompute).
-        after = {i: _generate(s, t) for i, t in enumerate(texts)}
-        expected = REFERENCE[arm] + texts_of(after)[len(PROMPTS) :]
+        # The fault-free tokens of the new prompts: this server's own once the
+        # store is gone (recomputed).
+        after = [ask(s, t) for t in texts]
+        expected = REFERENCE[arm] + after[len(PROMPTS) :]
         lost, wrong = self._record("mooncake_master killed, prefetches and write-backs in flight",
                                    arm, replies, expected, s)  # fmt: skip
-        FINDINGS["faults"][-1]["after_kill_same_tokens"] = (
-            texts_of(after)[: len(PROMPTS)] == (REFERENCE[arm])
-        )
+        c = compare(REFERENCE[arm], after[: len(PROMPTS)])
+        FINDINGS["faults"][-1]["after_kill_same_tokens"] = not c.mismatches
         assert not lost and not wrong, FINDINGS["faults"][-1]
-        assert texts_of(after)[: len(PROMPTS)] == REFERENCE[arm]
+        assert not c.mismatches, str(c)
         if arm == "plugin":
             assert plugin_failures(s) == 0
             for name in ("sglang:hicache_ack_sync_pipelined",
@@ -472,13 +474,13 @@ class TestBufferOnly:
             mc.kill()
         mc.restart()  # an empty store on the same address
         texts = prompts(6, seed=2400 + len(arm))
-        first = {i: _generate(s, t) for i, t in enumerate(texts)}
+        first = [ask(s, t) for t in texts]
         keys = keys_settled(mc, timeout_s=30)
         flush(s)
         again = send_all(s, texts)
-        hits = storage_hits(again)
+        hits = [r.storage for r in again.values() if isinstance(r, Reply)]
         lost, wrong = self._record("mooncake_master restarted (empty), new prefixes", arm,
-                                   again, texts_of(first), s,
+                                   again, first, s,
                                    note=f"keys in the new master: {keys}")  # fmt: skip
         FINDINGS["faults"][-1]["storage_hits_resumed"] = any(h > 0 for h in hits)
         assert not lost and not wrong, FINDINGS["faults"][-1]
@@ -514,7 +516,37 @@ def test_two_nodes_buffer_only_plugin_disabled_on_one_stop_both(masters, workdir
             time.sleep(2.0)
         logs = [n.log() for n in nodes]
         assert all(n.exited() for n in nodes), "a node still runs:\n" + logs[0][-3000:]
-        assert "HiCacheAckSyncMismatch" in logs[0] or "disagree" in logs[0], logs[0][-4000:]
+        # Node 0 knows why: in buffer_only its ack sync stands down, so it is the
+        # prefetch votes' (or the ack sync's) agreement that names the peer.
+        named = [m for m in ("PrefetchVoteMismatch", "HiCacheAckSyncMismatch") if m in logs[0]]
+        FINDINGS["two_node_buffer_only"] = {"named": named, "exits": [n.proc.returncode
+                                            for n in nodes if n.proc]}  # fmt: skip
+        assert named, logs[0][-4000:]
     finally:
         for node in nodes:
             node.stop()
+
+
+# --- the negative control: the same checks must fail on broken copies ------------------
+
+
+def test_negative_control_broken_copies_fail_the_mooncake_comparison(workdir):
+    """A server whose page_first_direct copies are broken on purpose (K and V swapped
+    on the way to host, so in what Mooncake stores): the comparison the tests above
+    pass must report mismatches here, or it could not see a wrong restore."""
+    from hicache_async_ack.tools.cpu_server.settings import CPU_BREAK_COPIES_VAR
+
+    with Mooncake(workdir / "master-broken") as mc:
+        server = MooncakeServer(
+            mc, [*BASE_ARGS, *MOONCAKE_ARGS], env={**STOCK_ENV, CPU_BREAK_COPIES_VAR: "swap"},
+            log_path=workdir / "broken.log", start_timeout_s=START_TIMEOUT_S,
+        )  # fmt: skip
+        with server:
+            first = [ask(server, p) for p in PROMPTS]  # computed: right
+            keys_settled(mc)
+            flush(server)
+            again = ask_together(server, PROMPTS)
+    c = compare(first, again)
+    FINDINGS["negative_control"] = str(c)
+    assert c.restored > 0, f"nothing came back from Mooncake: {c}"
+    assert c.mismatches, f"broken copies went unnoticed: {c}"

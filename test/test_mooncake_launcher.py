@@ -269,15 +269,19 @@ def test_direct_ops_copy_rows_between_token_and_page_first_layouts(page):
 
 
 @pytest.mark.parametrize("mode", ["noop", "swap"])
-def test_broken_direct_ops_do_not_copy_right(mode):
-    # The negative control's versions must break the round trip, or the e2e
-    # checks that compare tokens after a Mooncake round trip prove nothing.
+def test_broken_direct_ops_do_not_round_trip(mode):
+    # The negative control's versions must break a trip to the host and back, or the
+    # e2e checks that compare tokens after a Mooncake round trip prove nothing.
     dev_k, dev_v, host = _pools(page=4)
     src = torch.arange(8)
     put = mooncake_standins._broken(mooncake_standins.transfer_kv_all_layer_direct_lf_pf, mode)
+    get = mooncake_standins._broken(mooncake_standins.transfer_kv_per_layer_direct_pf_lf, mode)
     put(dev_k + dev_v, host, src, src, 4)
     for layer in range(len(dev_k)):
-        assert not torch.equal(host[0][src // 4, layer, src % 4], dev_k[layer][src])
+        back_k, back_v = torch.zeros_like(dev_k[layer]), torch.zeros_like(dev_v[layer])
+        get(host, [back_k, back_v], src, src, layer, 4)
+        assert not torch.equal(back_k[src], dev_k[layer][src])
+        assert not torch.equal(back_v[src], dev_v[layer][src])
 
 
 def test_ops_bound_into_the_host_pool_module_only_where_missing(monkeypatch):

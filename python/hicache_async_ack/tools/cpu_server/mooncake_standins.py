@@ -78,11 +78,15 @@ def _bind_direct_ops(module) -> None:
 
 
 def _broken(op: Callable, mode: str) -> Callable:
+    """``noop``: copies nothing. ``swap``: K and V in each other's place, on the way to
+    the host only (swapped both ways, a round trip through the host would cancel)."""
+    if mode == "swap" and op is transfer_kv_per_layer_direct_pf_lf:
+        return op
+
     @functools.wraps(op)
     def broken(src_ptrs, dst_ptrs, *args) -> None:
-        if mode == "swap":  # right rows, wrong buffers: K into V and V into K
+        if mode == "swap":
             op(src_ptrs, list(dst_ptrs)[::-1], *args)
-        # "noop": copies nothing
 
     return broken
 
