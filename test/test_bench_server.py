@@ -144,7 +144,8 @@ def test_the_report_names_inconclusive_claims_and_the_seed_form(capsys, tmp_path
     visits = _visits({("l1", 0.0): [100.0, 90.0], ("stock", 3.2): [60.0, 70.0],
                       ("plugin", 3.2): [95.0, 80.0], ("bound", 0.0): [97.0, 85.0]})  # fmt: skip
     for v in visits:
-        v |= {"runs": [{"host_share": 0.4}], "loadavg_start": (5.0, 0, 0),
+        run = {"host_share": 0.4, "ack_waits": 100, "ack_wait_s": 1.0, "client_wall_s": 20.0}
+        v |= {"runs": [run], "loadavg_start": (5.0, 0, 0),
               "loadavg_end": (6.0, 0, 0), "startup_s": 30.0}  # fmt: skip
     cfg = CFG | {"latencies_ms": [3.2], "workload": "multiturn", "turns": 5, "system_words": 60,
                  "question_words": 15, "output_len": 16, "tp": 2, "max_total_tokens": 512,
@@ -155,6 +156,7 @@ def test_the_report_names_inconclusive_claims_and_the_seed_form(capsys, tmp_path
     assert "inconclusive" in out
     assert "vs L1 (the seed's form" in out
     assert "40%" in out  # host hits
+    assert "2.5%" in out  # the plugin's wait: 1 s of 20 s x 2 ranks
     png = tmp_path / "x.png"
     server_report.draw_png(png, cfg, visits, rows)
     assert png.stat().st_size > 0
@@ -314,6 +316,8 @@ def test_the_seeds_arms_on_the_real_server_multiturn(tmp_path):
         assert len(run["loadavg_start"]) == len(run["loadavg_end"]) == 3
         assert v["output_throughput"] > 0
     assert by_arm["plugin"]["runs"][0]["host_share"] > 0  # histories came back from host
+    assert by_arm["plugin"]["runs"][0]["ack_waits"] > 0  # its wait, read over the run
+    assert by_arm["stock"]["runs"][0]["ack_waits"] == 0
     assert by_arm["l1"]["runs"][0]["host_share"] in (0, None)
     assert "vs L1 (the seed's form" in stdout
     assert "inconclusive" in stdout  # one round: no interval, no claim

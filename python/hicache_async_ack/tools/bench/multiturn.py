@@ -23,6 +23,7 @@ import random
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from ..options import ToolError
@@ -154,11 +155,41 @@ def main(argv: list[str]) -> int:
     for i, run_argv in enumerate(runs):
         sys.argv = ["bench_serving", *run_argv]
         print(f"=== hicache-async-ack: bench_serving run {i + 1}/{len(runs)}", flush=True)
-        start = os.getloadavg()
+        port = int(run_argv[run_argv.index("--port") + 1])
+        start, before, t0 = os.getloadavg(), ack_wait(port), time.monotonic()
         cli_main()
-        loads.append({"loadavg_start": start, "loadavg_end": os.getloadavg()})
+        after, wall = ack_wait(port), time.monotonic() - t0
+        loads.append(
+            {
+                "loadavg_start": start,
+                "loadavg_end": os.getloadavg(),
+                "client_wall_s": wall,
+                # over this run (flush, warm-up and replay), summed over ranks
+                "ack_wait_s": after[0] - before[0],
+                "ack_waits": after[1] - before[1],
+            }
+        )
         Path(argv[1]).write_text(json.dumps(loads))
     return 0
+
+
+def ack_wait(port: int) -> tuple[float, float]:
+    """The plugin's wait on due reduces so far (seconds, steps), summed over ranks;
+    zeros where the server has no such metric (stock, l1, the bound)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
+        text = r.read().decode()
+    total, count = 0.0, 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "sglang:hicache_ack_sync_wait_seconds_sum":
+                total += s.value
+            elif s.name == "sglang:hicache_ack_sync_wait_seconds_count":
+                count += s.value
+    return total, count
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def _lanes_col(lanes: Optional[int]) -> str:
     return "-" if lanes is None else str(lanes)
 
 
-def arm_table(visits: list[dict]) -> str:
+def arm_table(visits: list[dict], tp: int = 1) -> str:
     head = (
         "arm",
         "injected",
@@ -127,6 +127,7 @@ def arm_table(visits: list[dict]) -> str:
         "host hits",
         "load start-end",
         "start-up s",
+        "ack wait",
     )
     rows: list[tuple[str, ...]] = [head]
     seen: list[Conf] = []
@@ -141,6 +142,13 @@ def arm_table(visits: list[dict]) -> str:
         shares = [r["host_share"] for v in vs for r in v["runs"] if r.get("host_share") is not None]
         loads = [x for v in vs for x in (v["loadavg_start"][0], v["loadavg_end"][0])]
         ups = [v["startup_s"] for v in vs if v["startup_s"]]
+        # the plugin's wait on due reduces, per rank, as a share of the client's runs
+        waits = [
+            (r["ack_wait_s"], r["client_wall_s"] * tp)
+            for v in vs
+            for r in v["runs"]
+            if r.get("ack_waits") and r.get("client_wall_s")
+        ]
         lat = "-" if conf[0] in NO_LATENCY_ARMS else f"{conf[1]:g} ms"
         rows.append(
             (
@@ -153,6 +161,9 @@ def arm_table(visits: list[dict]) -> str:
                 f"{100 * statistics.mean(shares):.0f}%" if shares else "-",
                 f"{min(loads):.1f}-{max(loads):.1f}" if loads else "-",
                 f"{statistics.median(ups):.0f}" if ups else "-",
+                f"{100 * sum(w for w, _ in waits) / sum(t for _, t in waits):.1f}%"
+                if waits
+                else "-",
             )
         )
     return render(rows)
@@ -207,7 +218,7 @@ def print_report(cfg, visits, rows, load_start, load_end, wall_s, workdir: Path)
         f"{load_end[0]:.2f} at end; {len(visits)} server runs in {wall_s / 60:.1f} min; "
         f"logs in {workdir}"
     )
-    print(arm_table(visits))
+    print(arm_table(visits, cfg["tp"]))
     print()
     print(ratio_table(rows))
     seed = seed_table(cfg, rows)
