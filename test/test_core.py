@@ -154,6 +154,22 @@ def _mismatch(peer_slot, depth=1):
     return str(err.value)
 
 
+def test_a_stock_peer_is_named_with_the_digest_it_sent():
+    msg = _mismatch([123456789, -123456789])
+    assert "this node pipelines, a peer does not" in msg and "123456789" in msg
+    assert "30140" not in msg  # not the digest shifted right by the observation bits
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_an_in_tree_peer_is_named_as_a_patched_tree(depth):
+    """The in-tree module sends depth << 42 | digest, in [2**42, 2**58): the plugin
+    names that mix instead of a depth or a bare digest (the stamp-range contract)."""
+    x = depth << 42 | 9
+    msg = _mismatch([x, -x])
+    assert "a peer runs SGLang's in-tree HiCache ack sync (a patched tree)" in msg
+    assert "differs" not in msg and "bare digest" not in msg
+
+
 def test_other_depth_on_a_peer_names_the_values_and_the_variable():
     msg = _mismatch(slot(digest=9, depth=2), depth=1)
     assert "the lag depth differs across the group: this rank 1, group min 1, max 2" in msg

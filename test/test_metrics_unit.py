@@ -104,3 +104,59 @@ def test_series_are_created_through_the_caches_collector_classes():
         assert kinds["sglang:hicache_ack_sync_failures"] == "C"
         """
     )
+
+
+def test_vote_and_offload_series_are_created_through_the_collector_classes():
+    """The README's RayEngine claim for all three syncs: the prefetch votes' and the
+    decode offload sync's series come from the collector classes too."""
+    _run(
+        """
+        from hicache_async_ack.metrics import PrefetchVoteMetrics, OffloadSyncMetrics
+
+        made = []
+
+        class Rec:
+            def __init__(self, name, documentation="", labelnames=None, **kw):
+                made.append((type(self).__name__, name))
+            def labels(self, **kw):
+                return self
+            def inc(self, v=1.0): pass
+            def set(self, v): pass
+            def observe(self, v): pass
+
+        class C(Rec): pass
+        class H(Rec): pass
+        class G(Rec): pass
+
+        class Collector:
+            _counter_cls, _histogram_cls, _gauge_cls = C, H, G
+
+        collector = Collector()
+        PrefetchVoteMetrics(dict(cache_type="X", tp_rank=0), collector)
+        OffloadSyncMetrics(dict(tp_rank=0), collector)
+        kinds = dict((name, kind) for kind, name in made)
+        assert kinds["sglang:hicache_prefetch_votes_pipelined"] == "G", kinds
+        assert kinds["sglang:hicache_prefetch_votes_wait_seconds"] == "H", kinds
+        assert kinds["sglang:hicache_prefetch_votes_operations"] == "C", kinds
+        assert kinds["sglang:hicache_decode_offload_sync_pipelined"] == "G", kinds
+        assert kinds["sglang:hicache_decode_offload_sync_popped_entries"] == "C", kinds
+        """
+    )
+
+
+def test_a_second_vote_label_set_in_one_process_does_not_raise(tmp_path):
+    """Two caches, the second with an extra label: the votes' metrics, as the ack
+    sync's, never raise inside init_hicache."""
+    _run(
+        """
+        from types import SimpleNamespace
+        from hicache_async_ack.features.prefetch_votes import metrics_for
+
+        a = SimpleNamespace(metrics_collector=SimpleNamespace(labels=dict(cache_type="A")))
+        b = SimpleNamespace(metrics_collector=SimpleNamespace(labels=dict(cache_type="B", m="x")))
+        ma, mb = metrics_for(a), metrics_for(b)
+        assert ma is not None and mb is not None
+        ma.on_path(True); mb.on_path(True); mb.on_failure("mismatch")
+        """,
+        {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)},
+    )

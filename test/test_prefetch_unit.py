@@ -262,3 +262,37 @@ def test_attention_cp_x_tp_stands_down(make_cache, plugin, this_release):
     add_prefetch(sim)
     state = prefetch_votes.attach(sim.cache)
     assert not state.static.pipelined and "attention CP x TP" in state.static.reason
+
+
+class Sink:
+    """A metrics sink recording what the votes report."""
+
+    def __init__(self):
+        self.passes: list = []
+
+    def on_path(self, pipelined):
+        pass
+
+    def on_pass(self, wait_s, issue_s, voted):
+        self.passes.append((wait_s, voted))
+
+    def on_stop(self):
+        pass
+
+    def on_failure(self, reason):
+        pass
+
+
+def test_metrics_count_the_voted_and_time_only_due_reduces(make_prefetch):
+    """operations_total counts the operations voted on (at most the slots per
+    pass), and the wait histogram only sees passes that had a reduce due."""
+    ps = make_prefetch()
+    for i in range(votes.VOTE_SLOTS + 44):
+        ps.add(f"r{i:04d}")
+    ps.state.metrics = sink = Sink()
+    for _ in range(4):
+        run_pass(ps)
+    assert len(sink.passes) >= 2  # the pipelined passes (the first runs upstream's path)
+    assert all(voted == votes.VOTE_SLOTS for _, voted in sink.passes)
+    assert sink.passes[0][0] is None  # nothing was due at the first pipelined pass
+    assert all(w is not None for w, _ in sink.passes[1:])

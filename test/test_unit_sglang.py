@@ -325,3 +325,36 @@ def test_once_per_step_resets_every_step(make_cache, hub):
     for _ in range(3):
         sim.cache.check_hicache_events()
     assert sim.take_pops() == [("write", w[0])]
+
+
+def test_a_depth_change_while_standing_down_is_logged_and_exported(
+    make_cache, plugin, monkeypatch, caplog
+):
+    """The reduces drained when a cache leaves the pipelined path can move auto
+    depth: that change is said and exported like any other."""
+    import logging
+
+    from hicache_async_ack.core import Consumed
+
+    sim = make_cache(env={DEPTH_VAR: "auto"})
+    state = ack_sync.state_of(sim.cache)
+    sim.cache.check_hicache_events()
+    sim.cache.check_hicache_events()
+    assert state.sync is not None and state.sync.pending
+    calls = []
+
+    class Sink:
+        def on_path(self, *a):
+            calls.append(a)
+
+        def on_step(self, *a):
+            pass
+
+    state.metrics = Sink()
+    drained = Consumed({"ack_write_queue": 0, "ack_load_queue": 0}, {}, 1, depth_change=(1, 2))
+    monkeypatch.setattr(state.sync, "drain", lambda head: drained)
+    sim.cache.__dict__["host_memory_mode"] = "buffer_only"  # stand down
+    caplog.set_level(logging.INFO, logger="sglang.srt.mem_cache.hicache_async_ack")
+    sim.cache.check_hicache_events()
+    assert "auto depth 1 -> 2" in caplog.text and "while standing down" in caplog.text
+    assert (False, 2) in calls

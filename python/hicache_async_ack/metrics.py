@@ -66,24 +66,29 @@ def collector_classes(metrics_collector: Any = None) -> tuple[Any, Any, Any]:
     from prometheus_client import Counter, Gauge, Histogram
 
     cache_cls = type(metrics_collector) if metrics_collector is not None else None
-    counter = getattr(cache_cls, "_counter_cls", None) or Counter
-    histogram = getattr(cache_cls, "_histogram_cls", None) or Histogram
+    counter = getattr(cache_cls, "_counter_cls", None)
+    histogram = getattr(cache_cls, "_histogram_cls", None)
     gauge = getattr(cache_cls, "_gauge_cls", None)
-    if gauge is None:
-        try:
-            from sglang.srt.observability.metrics_collector import (
-                STAT_LOGGER_ROLE_SCHEDULER,
-                SchedulerMetricsCollector,
-                resolve_collector_class,
-            )
+    if gauge is None or cache_cls is None:  # no collector at all: the scheduler role's
+        scheduler_cls = _scheduler_collector_class()
+        gauge = gauge or getattr(scheduler_cls, "_gauge_cls", None)
+        if cache_cls is None:
+            counter = getattr(scheduler_cls, "_counter_cls", None)
+            histogram = getattr(scheduler_cls, "_histogram_cls", None)
+    return counter or Counter, gauge or Gauge, histogram or Histogram
 
-            scheduler_cls = resolve_collector_class(
-                STAT_LOGGER_ROLE_SCHEDULER, SchedulerMetricsCollector
-            )
-            gauge = getattr(scheduler_cls, "_gauge_cls", None)
-        except Exception:  # an SGLang without pluggable collectors
-            gauge = None
-    return counter, gauge or Gauge, histogram
+
+def _scheduler_collector_class() -> Any:
+    try:
+        from sglang.srt.observability.metrics_collector import (
+            STAT_LOGGER_ROLE_SCHEDULER,
+            SchedulerMetricsCollector,
+            resolve_collector_class,
+        )
+
+        return resolve_collector_class(STAT_LOGGER_ROLE_SCHEDULER, SchedulerMetricsCollector)
+    except Exception:  # an SGLang without pluggable collectors
+        return None
 
 
 def _create_families(labelnames: tuple[str, ...], classes, registered: bool) -> dict[str, Any]:
@@ -241,13 +246,27 @@ class AckSyncMetrics:
 
 
 # --------------------------------------------------- prefetch termination votes
-_vote_families: Optional[dict[str, Any]] = None
+# (kind, label names) -> families: as the ack sync's, one set per label names, the
+# first registered, through the collector classes SGLang's own metrics use.
+_other_families: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
 
 
-def _create_vote_families(labelnames: tuple[str, ...]) -> dict[str, Any]:
-    from prometheus_client import Counter, Gauge, Histogram
+def _families_for(kind: str, labelnames: tuple[str, ...], metrics_collector: Any, create):
+    key = (kind, labelnames)
+    fam = _other_families.get(key)
+    if fam is None:
+        Counter, Gauge, Histogram = collector_classes(metrics_collector)
+        extra: dict[str, Any] = {}
+        first = not any(k == kind for k, _ in _other_families)
+        from prometheus_client import Counter as PromCounter
 
-    names = list(labelnames)
+        if not first and Counter is PromCounter:  # other backends take no registry
+            extra = {"registry": None}
+        fam = _other_families[key] = create(list(labelnames), Counter, Gauge, Histogram, extra)
+    return fam
+
+
+def _create_vote_families(names: list[str], Counter, Gauge, Histogram, extra) -> dict[str, Any]:
     return {
         "pipelined": Gauge(
             "sglang:hicache_prefetch_votes_pipelined",
@@ -255,33 +274,41 @@ def _create_vote_families(labelnames: tuple[str, ...]) -> dict[str, Any]:
             "vote reduce, 0 on SGLang's per-request blocking reduce.",
             labelnames=names,
             multiprocess_mode="mostrecent",
+            **extra,
         ),
         "wait": Histogram(
             "sglang:hicache_prefetch_votes_wait_seconds",
-            "Time a scheduling pass waited on the previous pass's vote reduce.",
+            "Time a scheduling pass waited on the previous pass's vote reduce, observed "
+            "for passes that had one due.",
             labelnames=names,
             buckets=WAIT_BUCKETS,
+            **extra,
         ),
         "issue": Histogram(
             "sglang:hicache_prefetch_votes_issue_seconds",
             "Time a scheduling pass spent voting on every ongoing prefetch and issuing the reduce.",
             labelnames=names,
             buckets=ISSUE_BUCKETS,
+            **extra,
         ),
         "voted": Counter(
             "sglang:hicache_prefetch_votes_operations",
-            "Ongoing storage prefetch operations voted on (one per operation per pass).",
+            "Storage prefetch operations voted on: one per operation in a pass's vote "
+            "reduce (at most its 256 slots per pass).",
             labelnames=names,
+            **extra,
         ),
         "stopped": Counter(
             "sglang:hicache_prefetch_votes_stopped",
             "Storage prefetch operations stopped on the group's deadline verdict.",
             labelnames=names,
+            **extra,
         ),
         "failures": Counter(
             "sglang:hicache_prefetch_votes_failures",
             "Prefetch vote errors: ranks that disagree (mismatch) or a failed collective.",
             labelnames=[*names, "reason"],
+            **extra,
         ),
     }
 
@@ -289,12 +316,9 @@ def _create_vote_families(labelnames: tuple[str, ...]) -> dict[str, Any]:
 class PrefetchVoteMetrics:
     """One cache's prefetch-vote series (created with --enable-metrics)."""
 
-    def __init__(self, labels: Mapping[str, Any]):
-        global _vote_families
+    def __init__(self, labels: Mapping[str, Any], metrics_collector: Any = None):
         self.labels = {k: str(v) for k, v in labels.items()}
-        if _vote_families is None:
-            _vote_families = _create_vote_families(tuple(self.labels))
-        fam = _vote_families
+        fam = _families_for("votes", tuple(self.labels), metrics_collector, _create_vote_families)
         self.pipelined = fam["pipelined"].labels(**self.labels)
         self.wait = fam["wait"].labels(**self.labels)
         self.issue = fam["issue"].labels(**self.labels)
@@ -305,8 +329,10 @@ class PrefetchVoteMetrics:
     def on_path(self, pipelined: bool) -> None:
         self.pipelined.set(1 if pipelined else 0)
 
-    def on_pass(self, wait_s: float, issue_s: float, voted: int) -> None:
-        self.wait.observe(wait_s)
+    def on_pass(self, wait_s: Optional[float], issue_s: float, voted: int) -> None:
+        """``wait_s`` is None when no vote reduce was due (the first pass)."""
+        if wait_s is not None:
+            self.wait.observe(wait_s)
         self.issue.observe(issue_s)
         if voted:
             self.voted.inc(voted)
@@ -319,40 +345,39 @@ class PrefetchVoteMetrics:
 
 
 # ------------------------------------------------------ PD decode offload sync
-_offload_families: Optional[dict[str, Any]] = None
+def _create_offload_families(names: list[str], Counter, Gauge, Histogram, extra) -> dict[str, Any]:
+    return {
+        "pipelined": Gauge(
+            "sglang:hicache_decode_offload_sync_pipelined",
+            "1 while PD decode offload progress is pipelined, 0 on SGLang's blocking reduce.",
+            labelnames=names,
+            multiprocess_mode="mostrecent",
+            **extra,
+        ),
+        "wait": Histogram(
+            "sglang:hicache_decode_offload_sync_wait_seconds",
+            "Time a decode step waited on the previous step's offload reduce.",
+            labelnames=names,
+            buckets=WAIT_BUCKETS,
+            **extra,
+        ),
+        "popped": Counter(
+            "sglang:hicache_decode_offload_sync_popped_entries",
+            "Offload acks and storage backups popped on the group's agreement.",
+            labelnames=[*names, "queue"],
+            **extra,
+        ),
+    }
 
 
 class OffloadSyncMetrics:
     """The decode offload sync's series (created when SGLang's metrics are on)."""
 
-    def __init__(self, labels: Mapping[str, Any]):
-        global _offload_families
-        from prometheus_client import Counter, Gauge, Histogram
-
+    def __init__(self, labels: Mapping[str, Any], metrics_collector: Any = None):
         self.labels = {k: str(v) for k, v in labels.items()}
-        names = list(self.labels)
-        if _offload_families is None:
-            _offload_families = {
-                "pipelined": Gauge(
-                    "sglang:hicache_decode_offload_sync_pipelined",
-                    "1 while PD decode offload progress is pipelined, 0 on SGLang's "
-                    "blocking reduce.",
-                    labelnames=names,
-                    multiprocess_mode="mostrecent",
-                ),
-                "wait": Histogram(
-                    "sglang:hicache_decode_offload_sync_wait_seconds",
-                    "Time a decode step waited on the previous step's offload reduce.",
-                    labelnames=names,
-                    buckets=WAIT_BUCKETS,
-                ),
-                "popped": Counter(
-                    "sglang:hicache_decode_offload_sync_popped_entries",
-                    "Offload acks and storage backups popped on the group's agreement.",
-                    labelnames=[*names, "queue"],
-                ),
-            }
-        fam = _offload_families
+        fam = _families_for(
+            "offload", tuple(self.labels), metrics_collector, _create_offload_families
+        )
         self.pipelined = fam["pipelined"].labels(**self.labels)
         self.wait = fam["wait"].labels(**self.labels)
         self._popped = fam["popped"]
@@ -366,3 +391,12 @@ class OffloadSyncMetrics:
             if n:
                 queue = "offload" if name == "ack_write_queue" else "backup"
                 self._popped.labels(**self.labels, queue=queue).inc(n)
+
+
+def never_raising(make, what: str, labels: Mapping[str, Any]):
+    """``make()``, or None (logged): metrics never fail HiCache init."""
+    try:
+        return make()
+    except Exception as exc:  # e.g. a collector backend that refuses the names
+        logger.warning("%s: metrics not exported for %s: %r", what, dict(labels), exc)
+        return None

@@ -113,9 +113,17 @@ def describe_mismatch(mine: Stamp, lo: Stamp, hi: Stamp, hints: Mapping[str, str
     field that differs between the group's min and max (exact min and max for
     that field), this rank's value, and what to set."""
     if lo.protocol == 0:
+        raw = lo.pack()  # what the peer sent (unpack and pack are exact below 2**63)
+        if raw >= STOCK_LIMIT:  # [2**42, 2**58): the in-tree module's depth << 42 | digest
+            return (
+                "a peer runs SGLang's in-tree HiCache ack sync (a patched tree) while this "
+                f"node runs the hicache-async-ack plugin (the peer sent {raw:#x}: depth "
+                f"{raw >> DIGEST_BITS}, digest {raw & (STOCK_LIMIT - 1)}). Run one form on "
+                "every node of the TP group: the plugin, or the patched tree without it."
+            )
         return (
             "this node pipelines, a peer does not: a peer rank ran SGLang's blocking ack "
-            f"sync on this reduce (it sent a bare digest, {lo.digest}, not a stamp): "
+            f"sync on this reduce (it sent a bare digest, {raw}, not a stamp): "
             f"{hints.get('stock', 'it does not pipeline')}"
         )
     for name in Stamp.AGREED:

@@ -211,12 +211,15 @@ class CacheState(FeatureState):
         self._last = decision
         announce_path(self, decision)
 
-    def depth_changed(self, before: int, after: int) -> None:
-        """Auto depth moved (on every rank at this step): say so once."""
+    def depth_changed(self, before: int, after: int, pipelined: bool = True) -> None:
+        """Auto depth moved (on every rank at this step): say so once, also when
+        it moved on the reduces drained while standing down (the gauge then
+        stays 0, as on the blocking path, and shows the depth on the way back)."""
         why = "a rank waited on the due reduce" if after > before else "reduces finish sooner"
-        logger.info("HiCache ack sync: auto depth %d -> %d (%s)", before, after, why)
+        where = "" if pipelined else ", while standing down"
+        logger.info("HiCache ack sync: auto depth %d -> %d (%s%s)", before, after, why, where)
         if self.metrics is not None:
-            self.metrics.on_path(True, after)
+            self.metrics.on_path(pipelined, after)
 
 
 def state_of(cache) -> Optional[CacheState]:
@@ -254,6 +257,8 @@ def pipelined_check_hicache_events(state: CacheState, cache, original, *args, **
             # path with the same pops; the blocking path then syncs the rest.
             drained = sync.drain(state.head)
             if drained is not None:
+                if drained.depth_change is not None:  # moved while standing down
+                    state.depth_changed(*drained.depth_change, pipelined=False)
                 pop_agreed(cache, drained)
         return original(cache, *args, **kwargs)
     assert sync is not None  # a pipelined decision always has a sync

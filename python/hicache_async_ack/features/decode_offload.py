@@ -115,14 +115,16 @@ class OffloadSyncState(FeatureState):
 
 def metrics_for(manager):
     """With --enable-metrics SGLang sets PROMETHEUS_MULTIPROC_DIR before the
-    schedulers start; the manager has no metrics flag of its own."""
+    schedulers start; the manager has no metrics flag of its own, nor a collector:
+    the classes come from SGLang's scheduler role (metrics.collector_classes)."""
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         return None
     import torch.distributed as dist
 
-    from .metrics import OffloadSyncMetrics
+    from ..metrics import OffloadSyncMetrics, never_raising
 
-    return OffloadSyncMetrics({"tp_rank": dist.get_rank(group=manager.tp_group)})
+    labels = {"tp_rank": dist.get_rank(group=manager.tp_group)}
+    return never_raising(lambda: OffloadSyncMetrics(labels), "HiCache decode offload sync", labels)
 
 
 def static_decision(manager, release: Optional[str]) -> Decision:

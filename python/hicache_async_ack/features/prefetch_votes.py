@@ -238,9 +238,9 @@ def on_pass(state: PrefetchVoteState, cache) -> None:
         _failed(state, exc)
         raise
     state.active = True
-    if state.metrics is not None:
-        waited = verdicts.waited_s if verdicts is not None else 0.0
-        state.metrics.on_pass(waited, time.perf_counter() - t0, len(ops))
+    if state.metrics is not None:  # the wait only for passes that had a reduce due
+        waited = verdicts.waited_s if verdicts is not None else None
+        state.metrics.on_pass(waited, time.perf_counter() - t0, min(len(ops), VOTE_SLOTS))
 
 
 def _failed(state: PrefetchVoteState, exc: PrefetchVoteError) -> None:
@@ -293,11 +293,20 @@ def after_init_hicache(result, cache, *args, **kwargs):
     state = attach(cache)
     params = kwargs.get("params", args[1] if len(args) > 1 else None)
     if getattr(params, "enable_metrics", False):
-        from ..metrics import PrefetchVoteMetrics
-
-        labels = getattr(getattr(cache, "metrics_collector", None), "labels", None)
-        state.metrics = PrefetchVoteMetrics(labels or {"cache_type": type(cache).__name__})
+        state.metrics = metrics_for(cache)
     return result
+
+
+def metrics_for(cache):
+    """The votes' metrics, labelled and created as the ack sync's (the cache's
+    collector classes); None (logged) if they cannot be made."""
+    from ..metrics import PrefetchVoteMetrics, never_raising
+
+    collector = getattr(cache, "metrics_collector", None)
+    labels = getattr(collector, "labels", None) or {"cache_type": type(cache).__name__}
+    return never_raising(
+        lambda: PrefetchVoteMetrics(labels, collector), "HiCache prefetch votes", labels
+    )
 
 
 @hook
