@@ -228,8 +228,8 @@ def print_report(cfg, visits, rows, load_start, load_end, wall_s, workdir: Path)
     n_inc = sum(r["verdict"] == "inconclusive" for r in rows)
     if n_inc:
         print(
-            f"\n{n_inc} of {len(rows)} claims inconclusive: their 95% interval spans the "
-            "threshold (more rounds, or a quieter box, narrow it)."
+            f"\n{n_inc} of {len(rows)} claims inconclusive: the 95% interval spans the "
+            "threshold, or one round gave none (more rounds, or a quieter box, narrow it)."
         )
     if "bound" in cfg["arms"]:
         print(
