@@ -32,7 +32,8 @@ def test_rounds_reverse_so_every_config_has_the_same_mean_position():
 def test_a_linear_drift_cancels_in_the_paired_ratio():
     # Every visit is 1% slower than the one before; the arms are equal underneath.
     confs = ["stock", "plugin"]
-    t, figures = 0, {c: [] for c in confs}
+    t = 0
+    figures: dict[str, list[float]] = {c: [] for c in confs}
     for rnd in stats.round_order(confs, 4):
         for c in rnd:
             figures[c].append(100.0 * 0.99**t)
@@ -253,6 +254,20 @@ def test_without_the_variable_the_collectives_are_untouched(monkeypatch):
     module.UnifiedRadixCache()._all_reduce(data, None)
     assert data == [-1] and calls == ["all"]
     assert earlier == [module]  # the stand-ins' own patch still runs first
+
+
+def test_cpu_server_refuses_the_bound_with_the_plugin_on_and_accepts_it_off():
+    import os
+
+    base = [sys.executable, "-m", "hicache_async_ack", "cpu-server", "--tp", "2",
+            "--cpu-bound", "--cpu-print-command"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != ENABLE_VAR}
+    on = subprocess.run(base, capture_output=True, text=True, timeout=120, env=env)
+    assert on.returncode == 2 and f"{ENABLE_VAR}=0" in on.stderr
+    off = subprocess.run(base, capture_output=True, text=True, timeout=120,
+                         env=env | {ENABLE_VAR: "0"})  # fmt: skip
+    assert off.returncode == 0, off.stderr
+    assert f"{bound.CPU_BOUND_VAR}=1" in off.stderr  # what the server would be given
 
 
 # --- the seed-shaped trace ----------------------------------------------------------
