@@ -42,6 +42,14 @@ def test_a_linear_drift_cancels_in_the_paired_ratio():
     assert iv.low is not None and iv.high is not None
     assert iv.low <= 1.0 <= iv.high
     assert iv.ratio == pytest.approx(1.0, abs=1e-12)
+    # Negative control: the same drift without the reversal favours the arm that goes first.
+    t = 0
+    fixed: dict[str, list[float]] = {c: [] for c in confs}
+    for _ in range(4):
+        for c in confs:
+            fixed[c].append(100.0 * 0.99**t)
+            t += 1
+    assert stats.paired_ratio(fixed["plugin"], fixed["stock"]).ratio == pytest.approx(0.99)
 
 
 def test_one_rounds_servers_l1_and_bound_once_stock_and_plugin_per_latency():
