@@ -502,7 +502,8 @@ def test_the_patchs_tests_and_sglangs_pp_checks_pass_on_the_patched_tree(release
     (intree_checks.py), in one interpreter: SGLang's import dominates."""
     tests = [str(release[1] / rel) for rel in files.TEST_PATHS]
     rc, passed, tail = _pytest(intree_env, REPO, *tests, "test/intree_checks.py", "-rs")
-    assert rc == 0 and passed >= 17 + 8, tail  # the patch's 14 + 3, our 8
+    # the patch's 14 + 3; our 8, of which the two buffer_only ones skip on 0.5.20
+    assert rc == 0 and passed >= 17 + 6, tail
 
 
 PROBE = """
