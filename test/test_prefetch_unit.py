@@ -8,6 +8,7 @@ run on upstream's PrefetchOperation; the vote reduce goes through a MinHub
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hicache_async_ack import adapter, guard, votes
 from hicache_async_ack.env import ENABLE_VAR, PREFETCH_VOTES_VAR
@@ -40,10 +41,17 @@ def make_prefetch(make_cache, plugin, vote_hub, monkeypatch, this_release):
         sim = make_cache(tp=2, storage=True, env={**NO_ACK_SYNC, **(env or {})})
         ps = add_prefetch(sim, policy=policy, timeout_s=timeout_s, deadline=deadline)
         ps.blocking = []  # upstream's per-request reduces (world of one: a no-op)
+        ps.greets = []  # the votes' first exchange (upstream's ack-count shape)
+        ps.greet_peer = None  # a peer's values for it, MIN-ed in
 
         def all_reduce(t, op):
             if t.numel() == 1:  # the per-request vote (the ack reduce is longer)
                 ps.blocking.append(t.item())
+            elif t[-2].item() >= 1 << 58:  # a stamp, not upstream's digest: the greeting
+                ps.greets.append(t.tolist())
+                if ps.greet_peer is not None:
+                    peer = ps.greet_peer(t.tolist())
+                    t.copy_(torch.tensor([min(a, b) for a, b in zip(t.tolist(), peer)]))
 
         sim.cache.__dict__["_all_reduce"] = all_reduce
         h = hub or vote_hub
@@ -59,9 +67,10 @@ def make_prefetch(make_cache, plugin, vote_hub, monkeypatch, this_release):
 
 
 def run_pass(ps, handles=None):
-    """One scheduling pass: check_hicache_events, then the waiting requests."""
-    ps.cache.check_hicache_events()
+    """One scheduling pass: check_hicache_events, then the waiting requests (those
+    waiting when the pass began: one the pass boundary ended reads True)."""
     handles = list(ps.cache.ongoing_prefetch) if handles is None else handles
+    ps.cache.check_hicache_events()
     return {(h.rid, h.attempt_id): ps.check(h) for h in handles}
 
 
@@ -80,20 +89,19 @@ def stop_slot(hub, index):
 def test_one_vote_reduce_per_pass_replaces_the_per_request_reduces(make_prefetch, vote_hub):
     ps = make_prefetch()
     hs = [ps.add(r) for r in ("b", "a", "c")]
-    run_pass(ps)  # pass 1: upstream's path (the agreement comes at pass 2)
-    assert len(ps.blocking) == 3 and vote_hub.issued == []
-    ps.blocking.clear()
-    assert run_pass(ps) == {(h.rid, 0): False for h in hs}  # pass 2: nothing voted yet
-    assert ps.blocking == []  # no collective per request any more
-    agreement, vote = vote_hub.issued
-    assert len(agreement) == 4 and agreement[:2] == [1, -1]
+    # pass 1: the first exchange, then the first vote reduce; nothing voted yet
+    assert run_pass(ps) == {(h.rid, 0): False for h in hs}
+    assert ps.blocking == []  # no collective per request
+    (greet,) = ps.greets  # upstream's shape: 2 ack + 4 storage counts, then [x, -x]
+    assert len(greet) == 8 and greet[:2] == [1, -1] and greet[2:6] == [0] * 4
+    (vote,) = vote_hub.issued
     assert len(vote) == LAYOUT and vote[:2] == [3, -3]
     stop_slot(vote_hub, 1)  # slot order is key order: a, b, c -> "b"
-    out = run_pass(ps)  # pass 3: the verdicts of pass 2
+    out = run_pass(ps)  # pass 2: the verdicts of pass 1, applied at the pass boundary
     assert out == {("b", 0): True, ("a", 0): False, ("c", 0): False}
     assert ps.ended == [(("b", 0), "deadline")]
     assert ps.blocking == [] and ps.state.stopped == 1
-    assert len(vote_hub.issued) == 3  # one more vote reduce, nothing else
+    assert len(vote_hub.issued) == 2 and len(ps.greets) == 1  # one more vote, nothing else
 
 
 def test_verdict_is_one_pass_late_on_the_real_timer(make_prefetch):
@@ -196,11 +204,18 @@ def test_same_count_other_requests_is_a_mismatch(make_prefetch, vote_hub):
 
 def test_a_peer_with_the_votes_off_stops_at_the_agreement(make_prefetch, vote_hub):
     ps = make_prefetch()
-    vote_hub.peer = lambda v: [0, 0, *v[2:]] if len(v) == 4 else v
-    run_pass(ps)
+    ps.greet_peer = lambda v: [0, 0, *v[2:]]
     with pytest.raises(PrefetchVoteMismatch, match=f"{PREFETCH_VOTES_VAR} differs"):
         run_pass(ps)
-    assert vote_hub.issued and len(vote_hub.issued) == 1  # the agreement only
+    assert len(ps.greets) == 1 and vote_hub.issued == []  # the first exchange only
+
+
+def test_a_stock_peer_is_named_at_the_votes_first_exchange(make_prefetch, vote_hub):
+    ps = make_prefetch()
+    ps.greet_peer = lambda v: [0] * (len(v) - 2) + [12345, -12345]  # a bare digest
+    with pytest.raises(PrefetchVoteMismatch, match="this node pipelines, a peer does not"):
+        run_pass(ps)
+    assert vote_hub.issued == []
 
 
 def test_votes_off_keeps_upstreams_reduce_after_agreeing(make_prefetch, vote_hub):
@@ -208,8 +223,8 @@ def test_votes_off_keeps_upstreams_reduce_after_agreeing(make_prefetch, vote_hub
     ps.add("a")
     for _ in range(3):
         run_pass(ps)
-    assert len(ps.blocking) == 3 and [len(v) for v in vote_hub.issued] == [4]
-    assert vote_hub.issued[0][:2] == [0, 0]
+    assert len(ps.blocking) == 3 and vote_hub.issued == []
+    assert len(ps.greets) == 1 and ps.greets[0][:2] == [0, 0]
 
 
 @pytest.mark.parametrize("policy, result", [("best_effort", True), ("wait_complete", False)])

@@ -252,6 +252,16 @@ def torch_int32_min(group, values: list[int]) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
+def upstream_count_slots(cache) -> int:
+    """How many counts precede ``[digest, -digest]`` in upstream's ack-count
+    reduce: the two ack queues, with storage the four control queues plus one
+    per extra host pool (a first exchange must match its length)."""
+    if not cache.enable_storage:
+        return 2
+    cc = cache.cache_controller
+    return 6 + len(getattr(cc, "extra_host_mem_release_queues", None) or {})
+
+
 def upstream_reduce(cache) -> Callable[[list[int]], list[int]]:
     """A blocking MIN-reduce through the cache's own ``_all_reduce``: upstream's
     shape on upstream's groups (attn CP then attn TP, as its ready-count sync)."""

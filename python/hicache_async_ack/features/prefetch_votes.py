@@ -30,10 +30,11 @@ from ..adapter import (
     keep_state,
     missing_attrs,
     unhooked,
+    upstream_count_slots,
 )
 from ..env import ENABLE_VAR, PREFETCH_VOTES_VAR, prefetch_votes_enabled
 from ..guard import CACHE_CLASS, feature_release
-from ..stamp import Stamp, describe_mismatch, pack_stamp
+from ..stamp import OBS_BITS, Stamp, describe_mismatch, pack_stamp
 from ..votes import (
     VOTE_SLOTS,
     VOTES_PROTOCOL,
@@ -95,11 +96,11 @@ class PrefetchVoteState(FeatureState):
     cache's lifetime (the caller knows why).
 
     Every rank whose plugin is on keeps this state, also with the votes off:
-    at the first eligible pass after the first (when the ack sync has already
-    checked that every peer runs the plugin), all of them take part in one
-    blocking agreement on the setting, so a rank with the votes off stops every
-    rank with an error naming it instead of pairing its per-request reduces
-    with the others' vote reduces (gloo aborts on such a pairing)."""
+    at the start of the first eligible pass all of them run the votes' own first
+    exchange (:meth:`greet`, in upstream's ack-count shape), so a peer without
+    the plugin, or with the votes off, stops every plugin rank with an error
+    naming it instead of pairing its per-request reduces with the others' vote
+    reduces (gloo aborts on such a pairing)."""
 
     feature = "prefetch_votes"
 
@@ -145,41 +146,47 @@ class PrefetchVoteState(FeatureState):
         eligible = self.eligible(cache)
         if not eligible.pipelined:
             return eligible
-        if not self.agreed:
-            if self.passes < 2:
-                return blocking("the group agrees on the setting at the next pass", "agreeing")
-            self.agree()
+        if not self.agreed:  # eligible only since this pass began: greeted at the next
+            return blocking("the group agrees on the setting at the next pass", "agreeing")
         if not self.enabled:
             return blocking(f"{PREFETCH_VOTES_VAR}=0", "feature_disabled_by_env")
         return eligible
 
-    def agree(self) -> None:
-        """One blocking MIN-reduce of ``[on, -on, x, -x]`` (x: the votes' stamp):
-        every rank learns whether all have the same setting and protocol."""
-        assert self.votes is not None
+    def greet(self, cache) -> None:
+        """The votes' own first exchange, once, at the start of the first eligible
+        pass, before anything the blocking path would not run: one blocking
+        reduce through the cache's own ``_all_reduce``, in upstream's ack-count
+        shape (``[on, -on, 0, ...]`` where upstream sends its counts, then
+        ``[x, -x]`` with the votes' stamp where it sends its digest). A peer on
+        SGLang's path pairs it with its own ack-count reduce, whatever the host
+        memory mode (in buffer_only the ack sync's exchange never runs), fails
+        upstream's digest check there, and every plugin rank names it; a plugin
+        peer with the votes off or another protocol is named too."""
         on = int(self.enabled)
         x = pack_stamp(VOTES_PROTOCOL, False, 1, VOTE_SLOTS, 0)
+        values = [on, -on] + [0] * (upstream_count_slots(cache) - 2) + [x, -x]
         try:
-            lo_on, hi_on, lo_x, hi_x = self.votes.collective([on, -on, x, -x]).wait()
+            reduced = self.collectives.blocking_min(cache)(values)
         except Exception as exc:
             raise PrefetchVoteError(
-                f"HiCache prefetch votes: the one-time agreement on {PREFETCH_VOTES_VAR} "
-                f"failed ({exc}); a peer rank may have died or run another configuration"
+                f"HiCache prefetch votes: the first exchange failed ({exc}); a peer rank "
+                "may have died or run another configuration"
             ) from exc
-        hi_on, hi_x = -hi_on, -hi_x
+        lo_x, hi_x = reduced[-2], -reduced[-1]
+        if lo_x >> OBS_BITS != x >> OBS_BITS or hi_x >> OBS_BITS != x >> OBS_BITS:
+            why = describe_mismatch(
+                Stamp.unpack(x), Stamp.unpack(lo_x), Stamp.unpack(hi_x), MISMATCH_HINTS
+            )
+            raise PrefetchVoteMismatch(
+                f"HiCache prefetch votes: ranks disagree on the first exchange: {why} "
+                "Stopping before any vote."
+            )
+        lo_on, hi_on = reduced[0], -reduced[1]
         if lo_on != hi_on:
             raise PrefetchVoteMismatch(
                 f"HiCache prefetch votes: {PREFETCH_VOTES_VAR} differs across the TP group: "
                 f"this rank {on}, group min {lo_on}, max {hi_on}. Set it identically on "
                 "every node. Stopping before any vote."
-            )
-        if lo_x != hi_x or lo_x != x:
-            why = describe_mismatch(
-                Stamp.unpack(x), Stamp.unpack(lo_x), Stamp.unpack(hi_x), MISMATCH_HINTS
-            )
-            raise PrefetchVoteMismatch(
-                f"HiCache prefetch votes: the ranks speak different vote protocols: {why} "
-                "Stopping before any vote."
             )
         self.agreed = True
 
@@ -228,6 +235,9 @@ def on_pass(state: PrefetchVoteState, cache) -> None:
     assert votes is not None
     try:
         state.verdicts = verdicts = votes.consume()
+        state.active = True
+        if verdicts is not None and len(verdicts):
+            apply_verdicts(state, cache, verdicts)
         t0 = time.perf_counter()
         ops = [
             ((handle.rid, handle.attempt_id), info.operation, state.vote(cache, info.operation))
@@ -241,6 +251,20 @@ def on_pass(state: PrefetchVoteState, cache) -> None:
     if state.metrics is not None:  # the wait only for passes that had a reduce due
         waited = verdicts.waited_s if verdicts is not None else None
         state.metrics.on_pass(waited, time.perf_counter() - t0, min(len(ops), VOTE_SLOTS))
+
+
+def apply_verdicts(state: PrefetchVoteState, cache, verdicts: Verdicts) -> None:
+    """End, here at the pass boundary, every ongoing operation the group voted
+    to stop, in key order, through upstream's own check_prefetch_progress (its
+    _can_terminate_prefetch answers from the verdicts): every rank ends the
+    same operations the same way in the same pass, however far its
+    waiting-queue loop gets this pass (SGLang #30760: a rank whose batch fills
+    up earlier visits fewer requests; upstream's fix, #33029, likewise computes
+    progress once per pass for the whole queue). The loop then finds them
+    done."""
+    due = [h for h, info in cache.ongoing_prefetch.items() if verdicts(info.operation)]
+    for handle in sorted(due, key=lambda h: (h.rid, h.attempt_id)):
+        cache.check_prefetch_progress(handle)
 
 
 def _failed(state: PrefetchVoteState, exc: PrefetchVoteError) -> None:
@@ -314,9 +338,9 @@ def after_check_hicache_events(result, cache, *args, **kwargs):
     """check_hicache_events, AFTER.
     Why: the scheduler runs it once per pass, before it walks the waiting queue
     and asks check_prefetch_progress per request: the pass boundary.
-    How: consumes the vote reduce issued at the previous pass, then issues one
-    covering every ongoing prefetch operation, async (at the second eligible
-    pass, once, a blocking agreement on the setting comes first).
+    How: consumes the vote reduce issued at the previous pass, ends every
+    operation it stopped (apply_verdicts), then issues one covering every
+    ongoing prefetch operation, async.
     Stands down: no storage backend, a policy other than `timeout`, PP, world
     size 1, the setting off, or a release the guard has no votes for: the
     reduce in flight is drained and upstream's per-request path runs."""
@@ -325,6 +349,27 @@ def after_check_hicache_events(result, cache, *args, **kwargs):
         state = attach(cache)
     on_pass(state, cache)
     return result
+
+
+@hook
+def before_check_hicache_events(cache, *args, **kwargs):
+    """check_hicache_events, BEFORE.
+    Why: the votes need their own first exchange, paired with what a peer on
+    SGLang's path runs first in a pass: its blocking ack-count reduce, inside
+    this method (the ack sync's own exchange does not run in buffer_only).
+    How: at the first pass the votes are eligible, one blocking exchange in
+    upstream's shape through the cache's _all_reduce (PrefetchVoteState.greet).
+    Stands down: when the votes are not eligible (nothing to agree on yet)."""
+    state = state_of(cache)
+    if state is None:
+        state = attach(cache)
+    if not state.agreed and state.static.pipelined and state.eligible(cache).pipelined:
+        try:
+            state.greet(cache)
+        except PrefetchVoteError as exc:
+            _failed(state, exc)
+            raise
+    return None
 
 
 @hook
@@ -342,10 +387,12 @@ FEATURE = Feature(
     (
         Hook(CACHE_CLASS, "init_hicache", "AFTER", after_init_hicache),
         Hook(CACHE_CLASS, "check_hicache_events", "AFTER", after_check_hicache_events),
+        Hook(CACHE_CLASS, "check_hicache_events", "BEFORE", before_check_hicache_events),
         Hook(CACHE_CLASS, "_can_terminate_prefetch", "AROUND", around_can_terminate_prefetch),
     ),
     order=(
-        "after the ack sync's: the AFTER hook on check_hicache_events must wrap the "
-        "ack sync's AROUND, so the pass boundary comes after the ack pops"
+        "after the ack sync's: the AFTER and BEFORE hooks on check_hicache_events must "
+        "wrap the ack sync's AROUND, so the pass boundary comes after the ack pops and "
+        "the votes' first exchange before the ack sync's (and before upstream's reduce)"
     ),
 )

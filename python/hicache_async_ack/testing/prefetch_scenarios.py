@@ -15,7 +15,10 @@ same pass" can be checked exactly.
 
 Spec keys: name, seed, passes, warmup (passes before the first request),
 env / rank_env ({rank: settings}), events (bool), check_all (every waiting
-request every pass), expect_error.
+request every pass), expect_error, host_memory_mode (the cache's), skew
+({rank: from_pass}: from that pass on, that rank's waiting-queue loop visits one
+request fewer than the others', as a rank whose batch fills up earlier does:
+SGLang #30760).
 """
 
 from __future__ import annotations
@@ -45,6 +48,18 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
     shared = random.Random(spec["seed"])  # the same draws on every rank
     local = random.Random(spec["seed"] * 1000 + rank)  # this rank's own
     cache = sim.cache
+    if spec.get("host_memory_mode"):
+        cache.__dict__["host_memory_mode"] = spec["host_memory_mode"]
+        if spec["host_memory_mode"] == "buffer_only":  # what the storage drain reads there
+            from collections import deque
+
+            cache.__dict__["buffer_pipeline"] = SimpleNamespace(
+                pending_hit_allocs=deque(),
+                flush_pending_writes=lambda: None,  # no writes staged in these scenarios
+                ongoing_write_through={},
+                finish_storage_write_ack=lambda *a, **k: None,
+            )
+    skew_from = (spec.get("skew") or {}).get(str(rank))
     added: list = []
     per_pass: list = []
     detached_until = -1
@@ -89,6 +104,8 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
             cache.check_hicache_events()
             waiting = sorted(cache.ongoing_prefetch, key=lambda h: int(h.rid[1:]))
             budget = len(waiting) if spec.get("check_all") else shared.randint(0, len(waiting))
+            if skew_from is not None and p >= skew_from:
+                budget = max(0, budget - 1)  # this rank's loop stops one request earlier
             for h in waiting[:budget]:
                 ps.check(h)
             per_pass.append(sorted(ps.ended[before:]))
