@@ -315,7 +315,7 @@ def test_auto_depth_settles_at_the_smallest_hiding_depth_without_overshoot(laten
     settled = depths.index(hiding)
     assert settled <= 12, depths[:40]  # within a few consumes
     assert depths[settled:] == [hiding] * (len(depths) - settled)  # and stays
-    assert not any(waits[settled + hiding + 1 :])  # hidden from then on
+    assert waits[settled + hiding + 1 :] and not any(waits[settled + hiding + 1 :])  # hidden
 
 
 def test_auto_depth_follows_a_latency_that_comes_and_goes():

@@ -65,7 +65,7 @@ def test_layout_no_group_spans_stays_blocking(results):
         assert "error" not in r, r.get("traceback")
         assert not r["pipelined"] and r["pending"] == 0
         assert "no existing group spans exactly their ranks" in r["reason"]
-        assert r["violations"] == [] and not any(r["left"].values())
+        assert r["violations"] == [] and r["left"] and not any(r["left"].values())
     blocks = [[0, 1], [2, 3]]
     for a, b in blocks:
         assert results[a]["odd_layout"]["pops"] == results[b]["odd_layout"]["pops"]

@@ -242,7 +242,7 @@ def test_auto_depth_rises_with_latency_and_falls_back_with_symmetric_pops(metric
     r0 = assert_symmetric_and_complete(results, "auto")
     assert r0["pipelined"]
     depths = [r["auto"]["depths"] for r in results]
-    assert all(d == depths[0] for d in depths)  # every rank moved at the same step
+    assert len(depths) > 1 and all(d == depths[0] for d in depths)  # moved at the same step
     d = depths[0]
     # model time: the depths are exact, whatever the load on the box
     hiding = math.ceil(14.0 / STEP_MS)  # a 14 ms reduce behind 4 ms steps

@@ -134,7 +134,7 @@ def simulate(
         stats["steps"] += 1
     for d in drivers:
         left = d.left()
-        assert all(v == 0 for v in left.values()), f"rank {d.rank} left {left}"
+        assert left and all(v == 0 for v in left.values()), f"rank {d.rank} left {left}"
     return stats
 
 

@@ -30,7 +30,7 @@ def test_first_step_issues_one_reduce_and_pops_nothing(make_cache, hub):
     sim.cache.check_hicache_events()
     assert sim.take_pops() == []
     assert hub.issued == [[2, 0, *stamp_slot()]]
-    assert all(not h.waited for h in hub.handles)
+    assert hub.handles and all(not h.waited for h in hub.handles)
 
 
 def test_pops_previous_counts_then_reduces_the_remainder(make_cache, hub):
