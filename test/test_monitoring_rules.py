@@ -152,3 +152,25 @@ def test_a_down_target_goes_stale_and_up_reads_0(tmp_path):
         'sglang:a{instance="n:1",job="sglang",tp_rank="0"}': "1+0x1 stale _",
         'up{instance="n:1",job="sglang"}': "1+0x1 0+0x1",
     }, series
+
+
+def test_rules_written_for_the_colon_spelling_miss_every_openmetrics_scrape(tmp_path):
+    """Negative control of the spelling: the same rules matching only
+    ``sglang:`` (what they said before) fail every firing case scraped as
+    OpenMetrics, Prometheus's default, and none scraped as plain text."""
+    rules = mc.RULES.read_text().replace("sglang[:_]", "sglang:")
+    assert rules != mc.RULES.read_text()
+    (tmp_path / mc.RULES.name).write_text(rules)
+    tests = yaml.safe_load(mc.TESTS.read_text())
+    tests["rule_files"] = [mc.RULES.name]
+    (tmp_path / "tests.yml").write_text(yaml.safe_dump(tests, sort_keys=False, width=100000))
+    out = run_promtool("test", "rules", str(tmp_path / "tests.yml"))
+    assert out.returncode != 0
+    failed = set(re.findall(r"name: (.*?) \[", out.stdout + out.stderr))
+    firing = {f"{c.alert} fires: {c.what}" for c in mc.cases() if c.fires}
+    assert firing, "no firing case"
+    om = set(re.findall(r"name: (.*?) \[OpenMetrics", out.stdout + out.stderr))
+    text = set(re.findall(r"name: (.*?) \[plain-text", out.stdout + out.stderr))
+    assert firing <= om, firing - om
+    assert not (text & firing), text & firing
+    assert failed
