@@ -463,9 +463,10 @@ class TestBufferOnly:
         assert not c.mismatches, str(c)
         if arm == "plugin":
             assert plugin_failures(s) == 0
-            for name in ("sglang:hicache_ack_sync_pipelined",
-                         "sglang:hicache_prefetch_votes_pipelined"):  # fmt: skip
-                assert sorted(x.value for x in metric_samples(s, name)) == [1.0, 1.0], name
+            # Still on the path it started on (in buffer_only the ack sync stands down
+            # from the start; the votes pipeline): a fault changes neither.
+            votes = metric_samples(s, "sglang:hicache_prefetch_votes_pipelined")
+            assert sorted(x.value for x in votes) == [1.0, 1.0], votes
 
     @pytest.mark.parametrize("arm", ARMS)
     def test_fault_master_restarted(self, arm, servers, masters):

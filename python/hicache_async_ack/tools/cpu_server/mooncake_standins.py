@@ -84,9 +84,13 @@ def _broken(op: Callable, mode: str) -> Callable:
         return op
 
     @functools.wraps(op)
-    def broken(src_ptrs, dst_ptrs, *args) -> None:
+    def broken(*args, **kwargs) -> None:  # SGLang passes them by keyword
         if mode == "swap":
-            op(src_ptrs, list(dst_ptrs)[::-1], *args)
+            if "dst_ptrs" in kwargs:
+                kwargs["dst_ptrs"] = list(kwargs["dst_ptrs"])[::-1]
+            else:
+                args = (args[0], list(args[1])[::-1], *args[2:])
+            op(*args, **kwargs)
 
     return broken
 
