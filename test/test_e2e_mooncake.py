@@ -27,8 +27,9 @@ import pytest
 
 from hicache_async_ack.env import ENABLE_VAR
 from hicache_async_ack.tools.cpu_server import free_port
-from hicache_async_ack.tools.cpu_server.mooncake import Mooncake, MooncakeServer, only_loopback
+from hicache_async_ack.tools.cpu_server.mooncake import Mooncake, MooncakeServer
 from hicache_async_ack.tools.cpu_server.mooncake_standins import COUNT_DIR_VAR, read_counts
+from hicache_async_ack.tools.cpu_server.netns import only_loopback
 
 from e2e_servers import (
     BASE_ARGS,

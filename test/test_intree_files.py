@@ -12,7 +12,7 @@ import isort
 import pytest
 
 from hicache_async_ack import env, stamp
-from hicache_async_ack.tools.intree import edits, module
+from hicache_async_ack.tools.intree import doc_edit, edits, module
 
 ADDED = (module.MODULE_PATH, *module.TEST_PATHS)
 FORBIDDEN = re.compile(r"hicache_async_ack|hicache-async-ack|[Pp]lugin|[Uu]pstream|protocol")
@@ -69,7 +69,7 @@ def test_the_module_reads_the_settings_the_plugin_documents():
 
 def test_a_doc_with_hicache_rows_gets_the_settings_after_the_last():
     doc = "| a | b | c |\n| `SGLANG_HICACHE_X` | x | `1` |\n| `SGLANG_Y` | y | `2` |\n"
-    lines = edits.edit_doc(doc).splitlines()
+    lines = doc_edit.edit_doc(doc).splitlines()
     assert lines[1] == "| `SGLANG_HICACHE_X` | x | `1` |"
     assert [line.split(" | ")[0] for line in lines[2:4]] == [
         f"| `{env.ENABLE_VAR}`",
@@ -77,7 +77,7 @@ def test_a_doc_with_hicache_rows_gets_the_settings_after_the_last():
     ]
     assert lines[4] == "| `SGLANG_Y` | y | `2` |"
     with pytest.raises(edits.EditError, match="already documents"):
-        edits.edit_doc("\n".join(lines) + "\n")
+        doc_edit.edit_doc("\n".join(lines) + "\n")
 
 
 def test_the_gpu_checklist_is_one_command_that_parses_and_dry_runs(tmp_path):

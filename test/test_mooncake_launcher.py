@@ -19,14 +19,9 @@ import pytest
 import torch
 
 from hicache_async_ack.tools.cpu_server import mooncake, mooncake_standins
-from hicache_async_ack.tools.cpu_server.mooncake import (
-    CONFIG_PATH_VAR,
-    Mooncake,
-    NetNamespace,
-    interfaces,
-    only_loopback,
-    server_env,
-)
+from hicache_async_ack.tools.cpu_server.mooncake import CONFIG_PATH_VAR, Mooncake
+from hicache_async_ack.tools.cpu_server.netns import NetNamespace, interfaces, only_loopback
+from hicache_async_ack.tools.cpu_server.settings import server_env
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a network namespace needs root")
 

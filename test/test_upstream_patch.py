@@ -36,7 +36,8 @@ from hicache_async_ack.testing.scenarios import ACK_KINDS, LOCAL_DRAIN_EVENTS
 from hicache_async_ack.tools import cli
 from hicache_async_ack.tools.intree import module as files
 from hicache_async_ack.tools.intree import unidiff
-from hicache_async_ack.tools.intree.edits import CACHE_PATH, DOC_PATH, ENVIRON_PATH
+from hicache_async_ack.tools.intree.doc_edit import DOC_PATH
+from hicache_async_ack.tools.intree.edits import CACHE_PATH, ENVIRON_PATH
 from hicache_async_ack.tools.releases import cache_root
 from hicache_async_ack.tools.upstream_patch import Tree, generate, installed_root
 

@@ -25,12 +25,11 @@ from pathlib import Path
 from typing import Optional
 
 from .intree import unidiff
+from .intree.doc_edit import DOC_PATH, edit_doc
 from .intree.edits import (
     CACHE_PATH,
-    DOC_PATH,
     ENVIRON_PATH,
     edit_cache,
-    edit_doc,
     edit_environ,
     edit_object_new_test,
     needs_ack_sync_default,

@@ -39,15 +39,22 @@ import tempfile
 import time
 from pathlib import Path
 
-from ...env import ENABLE_VAR
 from ..options import ToolError, int_in
 from . import multiturn, storage
+from .arms import (
+    ARMS,
+    DEFAULT_ARMS,
+    WORKLOADS,
+    arm_env,
+    check_arm,
+    config_of,
+    plugin_state,
+    rounds_of,
+    server_args,
+)
 from .driver import parse_list, save, versions
-from .server_report import configs, draw_png, print_report, ratios
+from .server_report import draw_png, print_report, ratios
 
-ARMS = ("l1", "stock", "plugin", "bound")
-DEFAULT_ARMS = ("stock", "plugin")
-WORKLOADS = ("gsp", "multiturn")
 FIGURES = (
     ("request_throughput", "req/s"),
     ("output_throughput", "out tok/s"),
@@ -56,32 +63,6 @@ FIGURES = (
 )
 BENCH_TIMEOUT_S = 900.0  # one bench_serving run; a stuck server fails the arm
 START_ATTEMPTS, START_RETRY_S = 3, 30.0
-BOUND_MARK = "ZERO-SYNC BOUND"  # bound.py's start-up warning, once per scheduler
-
-
-def arm_env(arm: str) -> dict[str, str]:
-    from ..cpu_server.bound import CPU_BOUND_VAR
-
-    if arm == "plugin":
-        return {ENABLE_VAR: "1"}
-    if arm == "bound":
-        return {ENABLE_VAR: "0", CPU_BOUND_VAR: "1"}
-    return {ENABLE_VAR: "0"}
-
-
-def server_args(cfg: dict, arm: str) -> list[str]:
-    args = [
-        "--tp",
-        str(cfg["tp"]),
-        "--enable-metrics",
-        "--max-total-tokens",
-        str(cfg["max_total_tokens"]),
-    ]
-    if arm != "l1":
-        args += ["--enable-hierarchical-cache", "--hicache-ratio", str(cfg["hicache_ratio"])]
-    if cfg["workload"] == "multiturn":
-        args += ["--chat-template", multiturn.CHAT_TEMPLATE]
-    return [*args, *cfg["server_args"]]
 
 
 def gsp_args(cfg: dict, port: int, model: Path, out: Path, seed: int) -> list[str]:
@@ -122,25 +103,6 @@ def gsp_args(cfg: dict, port: int, model: Path, out: Path, seed: int) -> list[st
     if cfg["max_concurrency"]:
         args += ["--max-concurrency", str(cfg["max_concurrency"])]
     return args
-
-
-def plugin_state(server) -> dict:
-    """What the server's own /metrics says about the ack sync, summed over ranks."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    state = {"pipelined_ranks": 0.0, "popped_entries": 0.0, "wait_s": 0.0, "waits": 0.0}
-    names = {
-        "sglang:hicache_ack_sync_pipelined": "pipelined_ranks",
-        "sglang:hicache_ack_sync_popped_entries_total": "popped_entries",
-        "sglang:hicache_ack_sync_wait_seconds_sum": "wait_s",
-        "sglang:hicache_ack_sync_wait_seconds_count": "waits",
-    }
-    for family in text_string_to_metric_families(server.get("/metrics").decode()):
-        for s in family.samples:
-            if s.name in names:
-                state[names[s.name]] += s.value
-    state["pipelined_ranks"] = int(state["pipelined_ranks"])
-    return state
 
 
 def visit(cfg: dict, conf: tuple, rnd: int, workdir: Path, quiet: bool) -> dict:
@@ -239,22 +201,6 @@ def start(server, name: str, quiet: bool) -> int:
     raise AssertionError("unreachable")
 
 
-def check_arm(cfg: dict, arm: str, state: dict, server, name: str) -> None:
-    """A run is reported under its arm only if the server really ran that arm."""
-    expected = cfg["tp"] if arm == "plugin" else 0
-    if state["pipelined_ranks"] != expected:
-        raise ToolError(
-            f"{name}: {state['pipelined_ranks']} ranks pipelined, expected "
-            f"{expected}; see {server.log_path}"
-        )
-    marks = server.log().count(BOUND_MARK)
-    if (arm == "bound") != (marks > 0):
-        raise ToolError(
-            f"{name}: the zero-sync bound {'missing' if arm == 'bound' else 'on'}"
-            f" ({marks} start-up marks); see {server.log_path}"
-        )
-
-
 def run(args) -> int:
     if storage.wanted(args):  # requests waiting on L3 prefetches instead (storage.py)
         return storage.run(args)
@@ -295,46 +241,6 @@ def run(args) -> int:
     }
     save(args, record, "bench-server", lambda png: draw_png(png, cfg, visits, table))
     return 0
-
-
-def rounds_of(cfg: dict) -> list[list[tuple]]:
-    from .stats import round_order
-
-    return round_order(configs(cfg), cfg["rounds"])
-
-
-def config_of(args) -> dict:
-    cfg = {
-        k: getattr(args, k)
-        for k in (
-            "tp",
-            "rounds",
-            "runs",
-            "workload",
-            "num_groups",
-            "prompts_per_group",
-            "system_prompt_len",
-            "question_len",
-            "output_len",
-            "request_rate",
-            "max_concurrency",
-            "turns",
-            "system_words",
-            "question_words",
-            "max_total_tokens",
-            "hicache_ratio",
-            "seed",
-            "start_timeout_s",
-        )
-    } | {
-        "arms": list(args.arms),
-        "latencies_ms": list(args.latency_ms),
-        "lanes": list(args.lanes) if args.workload == "multiturn" else [None],
-        "server_args": list(args.server_arg),
-    }
-    if cfg["hicache_ratio"] is None:
-        cfg["hicache_ratio"] = 16.0 if args.workload == "multiturn" else 4.0
-    return cfg
 
 
 def _latencies(raw: str) -> tuple[float, ...]:

@@ -198,7 +198,7 @@ def visit(cfg: dict, conf: tuple, rnd: int, workdir: Path, quiet: bool) -> dict:
     """A fresh master and server for ``conf``: a warm-up round, ``--runs`` measured ones."""
     from ..cpu_server.mooncake import Mooncake, MooncakeServer
     from ..cpu_server.mooncake_standins import COUNT_DIR_VAR
-    from .server import arm_env, check_arm, plugin_state, server_args
+    from .arms import arm_env, check_arm, plugin_state, server_args
 
     arm, latency_ms, _ = conf
     name = f"storage-{arm}-{latency_ms:g}ms-r{rnd}"
@@ -358,7 +358,7 @@ def draw_png(path: Path, visits: list[dict], title: str) -> None:
 
 
 def run(args) -> int:
-    from .server import config_of, rounds_of
+    from .arms import config_of, rounds_of
     from .server_report import ratio_table, ratios
 
     cfg = config_of(args) | {

@@ -30,6 +30,7 @@ from .settings import (
     parse_cpu_break_copies,
     parse_cpu_reduce_latency_ms,
     parse_cpu_skew,
+    server_env,
 )
 from .standins import STANDINS
 
@@ -99,8 +100,6 @@ def environment(
         OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join(p for p in (str(BOOT_DIR), env.get("PYTHONPATH")) if p),
     )
-    from .mooncake import server_env  # (imports Server from here)
-
     env.update(server_env(args, env))  # only with --hicache-storage-backend mooncake
     if skew is not None:
         parse_cpu_skew(skew)

@@ -18,132 +18,36 @@ calls (no holder process, no ``ip`` command: ``lo`` is brought up by ioctl).
   always stops every process it started (its process group), also on failure.
 - ``MooncakeServer``: a cpu-server ``Server`` (tests, bench) run in that
   namespace, its HTTP client too.
-- ``server_env()``: what cpu-server adds for ``--hicache-storage-backend mooncake``.
+- ``settings.server_env()``: what cpu-server adds for ``--hicache-storage-backend mooncake``.
 - ``hicache-async-ack mooncake-master [-- COMMAND ...]``: the same from a shell.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import fcntl
 import importlib.util
 import json
 import os
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+from typing import Optional, Sequence, TypeVar
 
 from . import Server, free_port
+from .netns import NetNamespace
 
 T = TypeVar("T")
 
-CLONE_NEWNET = 0x40000000
-_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
-_IFREQ = "16sH22x"  # struct ifreq: name, flags, the rest of the union
 
 CONFIG_PATH_VAR = "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"
 # The whole store, split evenly over a server's ranks by SGLang. A plain byte
 # count: SGLang parses only a "gb" suffix ("256mb" fails).
 DEFAULT_SEGMENT_BYTES = 256 * 1024 * 1024
 MASTER_START_TIMEOUT_S = 60.0
-
-
-# --- the network namespace ------------------------------------------------------
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)} (a private network namespace needs root)")
-
-
-def _bring_up_loopback() -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        got = fcntl.ioctl(s.fileno(), _SIOCGIFFLAGS, struct.pack(_IFREQ, b"lo", 0))
-        flags = struct.unpack(_IFREQ, got)[1]
-        fcntl.ioctl(s.fileno(), _SIOCSIFFLAGS, struct.pack(_IFREQ, b"lo", flags | _IFF_UP))
-
-
-def interfaces() -> list[str]:
-    """Network interfaces of the calling thread's namespace."""
-    lines = Path("/proc/thread-self/net/dev").read_text().splitlines()[2:]
-    return sorted(line.split(":", 1)[0].strip() for line in lines)
-
-
-def only_loopback() -> bool:
-    return interfaces() == ["lo"]
-
-
-class NetNamespace:
-    """A new network namespace with only ``lo`` (up), held by a descriptor."""
-
-    def __init__(self) -> None:
-        self._fd: Optional[int] = None
-        self._fd = _on_thread(self._create)
-
-    @staticmethod
-    def _create() -> int:
-        _check(_libc.unshare(CLONE_NEWNET), "unshare(CLONE_NEWNET)")
-        _bring_up_loopback()
-        return os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-
-    @property
-    def fd(self) -> int:
-        if self._fd is None:
-            raise RuntimeError("the network namespace is closed")
-        return self._fd
-
-    @property
-    def path(self) -> str:
-        """For ``nsenter --net=PATH`` while this process lives."""
-        return f"/proc/{os.getpid()}/fd/{self.fd}"
-
-    def enter(self) -> None:
-        """Move the calling thread into the namespace (for good)."""
-        _check(_libc.setns(self.fd, CLONE_NEWNET), "setns(CLONE_NEWNET)")
-
-    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``fn(*args, **kwargs)`` on a thread inside the namespace."""
-
-        def inside() -> T:
-            self.enter()
-            return fn(*args, **kwargs)
-
-        return _on_thread(inside)
-
-    def close(self) -> None:
-        # The namespace goes when the last process in it exits too.
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-def _on_thread(fn: Callable[[], T]) -> T:
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            box["error"] = exc
-
-    t = threading.Thread(target=run, name="hicache-netns", daemon=True)
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 # --- the master -------------------------------------------------------------------
@@ -365,31 +269,6 @@ class MooncakeServer(Server):
     def run(self, cmd: Sequence[str], **kwargs) -> subprocess.CompletedProcess:
         """``subprocess.run(cmd)`` in the namespace (a client such as bench_serving)."""
         return self._ns().call(subprocess.run, list(cmd), **kwargs)
-
-
-# --- cpu-server's settings --------------------------------------------------------
-
-
-def _storage_backend(args: Sequence[str]) -> Optional[str]:
-    value = None
-    for i, a in enumerate(args):
-        if a == "--hicache-storage-backend" and i + 1 < len(args):
-            value = args[i + 1]
-        elif a.startswith("--hicache-storage-backend="):
-            value = a.split("=", 1)[1]
-    return value
-
-
-def server_env(args: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
-    """What cpu-server sets for the Mooncake backend (never overriding the caller)."""
-    if _storage_backend(args) != "mooncake":
-        return {}
-    wanted = {
-        # A second, RDMA transfer engine TCP never uses would ask for a local IP.
-        "SGLANG_HICACHE_MOONCAKE_REUSE_TE": "0",
-        "SGLANG_HOST_IP": "127.0.0.1",
-    }
-    return {k: v for k, v in wanted.items() if k not in env}
 
 
 # --- hicache-async-ack mooncake-master --------------------------------------------

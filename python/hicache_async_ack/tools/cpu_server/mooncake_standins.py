@@ -101,7 +101,7 @@ def _require_private_network(module) -> None:
     real_init = module.MooncakeStore.__init__
 
     def __init__(self, *args, **kwargs):
-        from .mooncake import only_loopback
+        from .netns import only_loopback
 
         if not only_loopback():
             raise RuntimeError(

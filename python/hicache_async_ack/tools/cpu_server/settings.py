@@ -3,7 +3,7 @@ plugin, whose settings are all in :mod:`hicache_async_ack.env`."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional, Sequence
 
 # HICACHE_ASYNC_ACK_CPU_SKEW: comma-separated polls per global rank
 # (rank i uses entry i mod len) before an ack's finish event reports done, e.g.
@@ -62,3 +62,28 @@ def parse_cpu_break_copies(raw: Optional[str]) -> str:
             "(or unset for real copies)"
         )
     return raw
+
+
+# --- the Mooncake backend --------------------------------------------------------
+
+
+def _storage_backend(args: Sequence[str]) -> Optional[str]:
+    value = None
+    for i, a in enumerate(args):
+        if a == "--hicache-storage-backend" and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith("--hicache-storage-backend="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def server_env(args: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
+    """What cpu-server sets for the Mooncake backend (never overriding the caller)."""
+    if _storage_backend(args) != "mooncake":
+        return {}
+    wanted = {
+        # A second, RDMA transfer engine TCP never uses would ask for a local IP.
+        "SGLANG_HICACHE_MOONCAKE_REUSE_TE": "0",
+        "SGLANG_HOST_IP": "127.0.0.1",
+    }
+    return {k: v for k, v in wanted.items() if k not in env}
