@@ -360,6 +360,21 @@ def test_a_sustained_wait_raises_by_its_smallest_recent_size():
     assert top.update(big, 1, 1) == 7 and top.update(obs, 2, 2) == 8  # never past hi
 
 
+def test_a_sustained_wait_at_depth_k_shows_every_kth_consume_and_still_raises():
+    """At depth 2 the reduce issued right after the one waited on is done by its
+    consume, so a sustained latency waits on every other consume: two waits among
+    the last depth + 1 consumes raise (consecutive only would never have)."""
+    rule = core.AutoDepth(raise_after=2, depth=2)
+    wait3 = core.observation(0.031, next_pending=True, step_s=0.01)
+    clear = core.observation(0.0, next_pending=True, step_s=0.01)
+    assert wait3 >> 1 == 4 and clear >> 1 == 0
+    assert rule.update(wait3, 1, 1) == 2
+    assert rule.update(clear, 2, 2) == 2
+    assert rule.update(wait3, 3, 3) == 6  # 2 + 4
+    spaced = core.AutoDepth(raise_after=2, depth=1)  # at depth 1: only in a row
+    assert [spaced.update(o, i, i) for i, o in enumerate((wait3, clear, wait3), 1)] == [1] * 3
+
+
 # ---------------------------------------------------------------- digest folding
 def test_fold_digest_keeps_42_bit_digests_and_folds_the_rest():
     assert stamp_mod.fold_digest(0) == 0

@@ -218,7 +218,9 @@ def test_wait_histogram_shows_the_latency_the_auto_depth_then_hides(metrics_run)
         )
         under_1ms = next(v for labels, v in waited if labels["le"] == "0.001")
         under_20ms = next(v for labels, v in waited if labels["le"] == "0.02")
-        assert 1 <= total - under_1ms <= 2, (total, under_1ms)  # before the raise
+        # before the raise: the raise_after (2) waits that raise it, plus at most
+        # one consume of a reduce issued before the raise took effect
+        assert 1 <= total - under_1ms <= 3, (total, under_1ms)
         assert under_20ms == total  # never more than the modelled 10 ms
 
 

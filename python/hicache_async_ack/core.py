@@ -75,10 +75,12 @@ class AutoDepth:
     collective. An observation says how many steps some rank waited (rounded
     up) and whether the next reduce was still in flight.
 
-    * Once some rank waited on ``raise_after`` consecutive consumed reduces
-      (a sustained latency: one long reduce is an outlier and moves nothing),
-      the depth rises by the smallest of those waits in steps: the depth that
-      would not have waited on any of them, at once.
+    * Once some rank waited on ``raise_after`` of the last ``depth + 1``
+      consumed reduces (a sustained latency: one long reduce is an outlier and
+      moves nothing; at depth k a sustained one shows on every k-th consume,
+      since the k - 1 reduces issued right after the one waited on are done by
+      then), the depth rises by the smallest of those waits in steps: the depth
+      that would not have waited on any of them, at once.
     * Lower by one when, on ``lower_after`` consecutive ones, nobody waited and
       every rank found the next reduce already complete.
 
@@ -94,8 +96,8 @@ class AutoDepth:
     raise_after: int = 2
     lower_after: int = 16
     depth: int = 1
-    _waits: int = 0
-    _streak_min: int = 0  # the smallest wait (steps) of the current streak of waits
+    # the waits (steps, 0: none) of the latest depth + 1 consumes since the last change
+    _recent: deque[int] = field(default_factory=deque)
     _clean: int = 0
     _settled_after: int = 0  # reduces issued up to this step predate the last change
     # the latest changes, (step, from, to): for the log and the tests
@@ -105,15 +107,14 @@ class AutoDepth:
         if issued_step <= self._settled_after:
             return self.depth
         waited, next_pending = obs_max >> 1, obs_max & 1
-        if waited:
-            self._streak_min = min(self._streak_min, waited) if self._waits else waited
-            self._waits += 1
-        else:
-            self._waits = 0
+        self._recent.append(waited)
+        if len(self._recent) > self.depth + 1:
+            self._recent.popleft()
+        waits = [w for w in self._recent if w]
         self._clean = self._clean + 1 if not waited and not next_pending else 0
         new = self.depth
-        if self._waits >= self.raise_after:
-            new = min(self.hi, self.depth + self._streak_min)
+        if len(waits) >= self.raise_after:
+            new = min(self.hi, self.depth + min(waits))
         elif self._clean >= self.lower_after and self.depth > self.lo:
             new = self.depth - 1
         if new != self.depth:
@@ -121,7 +122,8 @@ class AutoDepth:
             # the next issue carries this consume's observation; a raise by W
             # skips W consumes, whose issues carry it again
             self._settled_after = now_step + 1 + max(0, new - self.depth)
-            self.depth, self._waits, self._clean = new, 0, 0
+            self.depth, self._clean = new, 0
+            self._recent.clear()
         return self.depth
 
 
