@@ -364,8 +364,13 @@ def test_doctor_shows_release_range_and_every_fingerprint(monkeypatch):
     installed = upstream.installed_version()
     assert lines["SGLang"] == installed
     assert lines["tested range"].endswith(f": {installed} is in it")
+    assert TARGETS
     for t in TARGETS:
-        assert lines[f"  {t.label}"].startswith("same as "), t.label
+        line = lines[f"  {t.label}"]
+        # a method the table records as absent in this release (one only another
+        # feature needs, e.g. 0.5.20's missing prefetch deadline predicate)
+        absent = line.startswith("absent, as recorded for ") and installed in line
+        assert line.startswith("same as ") or absent, (t.label, line)
         assert installed in lines[f"  {t.label}"]
     assert lines["supported"] == f"yes: SGLang {installed} matches tested release {installed}"
     assert rep.blockers == []
@@ -438,6 +443,9 @@ def test_a_recorded_release_turns_every_feature_on():
     from dataclasses import replace
 
     probes = [upstream.probe_live(t) for t in TARGETS]
+    missing = [p.target.qualname for p in probes if p.missing]
+    if missing:  # an older release (0.5.20-0.5.22): runs in the full suite on the newest
+        pytest.skip(f"this SGLang lacks {missing}: not every feature can run on it")
     features = ("ack_counts", "prefetch_votes", "decode_offload")
     changed = {}
     for feature in features:  # one method of each feature changed in the new release

@@ -169,6 +169,9 @@ class MethodVerdict:
     probe: Probe
     same_as: tuple[str, ...]  # tested releases with this exact fingerprint
     signature: Optional[str] = None  # why the parameters do not fit the hooks
+    # missing here, and recorded as absent (null) in these tested releases: the
+    # features that need it stand down there, as they were recorded to
+    absent_as: tuple[str, ...] = ()
 
     @property
     def target(self) -> Target:
@@ -180,6 +183,12 @@ class MethodVerdict:
         return self.probe.missing or self.signature
 
     def describe(self) -> str:
+        if self.probe.missing and self.absent_as and not self.signature:
+            needs = ", ".join(self.target.features)
+            return (
+                f"absent, as recorded for {', '.join(self.absent_as)}: {needs} "
+                "stands down (the other features are judged without it)"
+            )
         if self.blocking:
             return f"INCOMPATIBLE: {self.blocking}"
         if self.probe.unreadable:
@@ -306,7 +315,12 @@ def judge(
         same = tuple(
             r for r in tested if p.fingerprint and table[r].get(t.qualname) == p.fingerprint
         )
-        methods.append(MethodVerdict(p, same, signature))
+        absent = tuple(
+            r
+            for r in tested
+            if p.missing and t.qualname in table[r] and table[r][t.qualname] is None
+        )
+        methods.append(MethodVerdict(p, same, signature, absent))
     matched = tuple(
         r for r in tested if all(r in m.same_as for m in methods if ACK in m.target.features)
     )
