@@ -73,19 +73,16 @@ def write_trace(path: Path, cfg: dict, lanes: int, seed: int) -> Path:
     return path
 
 
+def serving_args(backend: str, port: int, model: Path) -> list[str]:
+    """The start of every bench_serving argv: backend, the loopback server, the model."""
+    return ["--backend", backend, "--host", "127.0.0.1", "--port", str(port),
+            "--model", str(model), "--tokenizer", str(model)]  # fmt: skip
+
+
 def bench_args(cfg: dict, port: int, model: Path, trace: Path, lanes: int, out: Path) -> list[str]:
     """bench_serving's argv (without the interpreter) for one multi-turn run."""
     return [
-        "--backend",
-        "sglang-oai-chat",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--model",
-        str(model),
-        "--tokenizer",
-        str(model),
+        *serving_args("sglang-oai-chat", port, model),
         "--dataset-name",
         "agentic-trace",
         "--dataset-path",

@@ -68,16 +68,7 @@ START_ATTEMPTS, START_RETRY_S = 3, 30.0
 def gsp_args(cfg: dict, port: int, model: Path, out: Path, seed: int) -> list[str]:
     """bench_serving's argv (without the interpreter) for one generated-shared-prefix run."""
     args = [
-        "--backend",
-        "sglang",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--model",
-        str(model),
-        "--tokenizer",
-        str(model),
+        *multiturn.serving_args("sglang", port, model),
         "--dataset-name",
         "generated-shared-prefix",
         "--gsp-num-groups",
