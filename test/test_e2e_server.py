@@ -91,6 +91,7 @@ def test_answers_match_a_reference_forward_of_the_same_weights(sequences):
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     served = sequences["plugin"][:RESENT]
+    assert served
     assert all(r.restored == 0 for r in served), served
     for text, reply in zip(SEQUENCE[:RESENT], served):
         ids = tok(text, return_tensors="pt")["input_ids"]
