@@ -148,25 +148,10 @@ def hit_ratio(replies: list[Reply]) -> dict:
     }
 
 
-def master_keys(mc: Mooncake) -> int:
-    for line in mc.metrics().splitlines():
-        if line.startswith("master_key_count "):
-            return int(float(line.split()[1]))
-    raise AssertionError("mooncake_master exposes no master_key_count")
-
-
 def keys_settled(mc: Mooncake, timeout_s: float = 60.0) -> int:
     """The master's key count once write-backs stop adding to it."""
-    last, since = -1, time.monotonic()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        n = master_keys(mc)
-        if n != last:
-            last, since = n, time.monotonic()
-        elif n > 0 and time.monotonic() - since > 2.0:
-            break
-        time.sleep(0.5)
-    return last
+    assert mc.key_count() is not None, "mooncake_master exposes no master_key_count"
+    return mc.settled_keys(timeout_s)
 
 
 def _listening() -> dict[int, int]:

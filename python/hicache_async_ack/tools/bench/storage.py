@@ -141,25 +141,6 @@ def _flush(server) -> None:
     raise ToolError("the server refused /flush_cache for two minutes")
 
 
-def _master_keys(mc) -> int:
-    for line in mc.metrics().splitlines():
-        if line.startswith("master_key_count "):
-            return int(float(line.split()[1]))
-    return 0
-
-
-def _settle(mc, timeout_s: float = 60.0) -> int:
-    last, since, deadline = -1, time.monotonic(), time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        n = _master_keys(mc)
-        if n != last:
-            last, since = n, time.monotonic()
-        elif n > 0 and time.monotonic() - since > 2.0:
-            break
-        time.sleep(0.5)
-    return last
-
-
 def _counts_now(root: Path) -> dict:
     from ..cpu_server.mooncake_standins import read_counts
 
@@ -218,7 +199,7 @@ def visit(cfg: dict, conf: tuple, rnd: int, workdir: Path, quiet: bool) -> dict:
         )  # fmt: skip
         with server:
             send_round(server, texts, cfg["output_len"])  # warm-up: stores every prompt
-            _settle(mc)
+            mc.settled_keys()
             for _ in range(cfg["runs"]):
                 _flush(server)
                 before = _counts_now(counts_dir)

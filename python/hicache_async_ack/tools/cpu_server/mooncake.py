@@ -109,6 +109,26 @@ class Mooncake:
         self.starts = 0
         self.startup_s: Optional[float] = None
 
+    def key_count(self) -> Optional[int]:
+        """The master's stored key count (its metrics endpoint), None if not exposed."""
+        for line in self.metrics().splitlines():
+            if line.startswith("master_key_count "):
+                return int(float(line.split()[1]))
+        return None
+
+    def settled_keys(self, timeout_s: float = 60.0) -> int:
+        """The key count once write-backs stop adding to it (unchanged, and > 0, for
+        2 s), or the last count seen when ``timeout_s`` runs out."""
+        last, since, deadline = -1, time.monotonic(), time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            n = self.key_count() or 0
+            if n != last:
+                last, since = n, time.monotonic()
+            elif n > 0 and time.monotonic() - since > 2.0:
+                break
+            time.sleep(0.5)
+        return last
+
     # lifecycle
 
     def __enter__(self) -> "Mooncake":
