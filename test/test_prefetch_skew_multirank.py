@@ -25,6 +25,21 @@ SKEW = [
     dict(name="skew_rank1", seed=21, passes=150, skew={"1": 10}),
     dict(name="skew_two_ranks", seed=22, passes=150, skew={"1": 5, "3": 40}),
     dict(name="skew_with_events", seed=23, passes=200, events=True, skew={"2": 0}),
+    # variant (c): storage reads also finish, some in the pass their deadline passed
+    dict(name="skew_with_completions", seed=24, passes=200, completions=True, skew={"1": 10}),
+    dict(
+        name="skew_completions_events",
+        seed=25,
+        passes=200,
+        completions=True,
+        events=True,
+        skew={"1": 5, "2": 30},
+    ),
+]
+# The negative control: verdicts applied only where a rank's loop visits a
+# request (before the fix); the same scenarios must then diverge.
+CONTROL = [
+    dict(s, name=s["name"] + "_loop_only", loop_only_verdicts=True) for s in SKEW[:1] + SKEW[3:4]
 ]
 STOCK_PEER = [
     dict(
@@ -36,6 +51,7 @@ STOCK_PEER = [
     )
 ]
 STOCK_RANK = 2
+SPECS = {s["name"]: s for s in SKEW + CONTROL}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +60,7 @@ def results():
         Job(
             target=TARGET,
             world_size=WORLD,
-            payload={"specs": SKEW, "group_timeout_s": GROUP_TIMEOUT},
+            payload={"specs": SKEW + CONTROL, "group_timeout_s": GROUP_TIMEOUT},
             timeout_s=900,
             label="prefetch vote ranks, loop skew",
             group_timeout_s=GROUP_TIMEOUT,
@@ -78,6 +94,26 @@ def test_loop_skew_ends_the_same_operations_the_same_way_in_the_same_pass(result
     for rank in range(1, WORLD):
         assert ended[rank] == ended[0], rank  # same operations, same reason, same pass
     assert all(r["left"] == 0 for r in per)
+    if SPECS[name].get("completions"):
+        reasons = {reason for p in ended[0] for _, reason in p}
+        assert {"deadline", "completed"} <= reasons, reasons
+        assert sum(r["raced"] for r in per) > 0, "no read finished in its deadline's pass"
+
+
+@pytest.mark.parametrize("name", [s["name"] for s in CONTROL])
+def test_loop_only_verdicts_diverge_under_the_same_skew(results, name):
+    """Negative control: without the pass-boundary application the scenarios
+    above must fail, by different endings or the votes' mismatch error."""
+    runs = results["skew"]
+    assert not isinstance(runs, RanksFailed), str(runs)
+    per = [r[name] for r in runs]
+    assert len(per) == WORLD
+    errors = [r.get("error", "") for r in per]
+    if any(errors):
+        assert any("PrefetchVoteMismatch" in e for e in errors), errors
+        return
+    ended = [r["per_pass"] for r in per]
+    assert any(ended[rank] != ended[0] for rank in range(1, WORLD))
 
 
 def test_buffer_only_with_a_stock_peer_stops_with_the_agreements_error(results):

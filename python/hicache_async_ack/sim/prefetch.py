@@ -10,7 +10,12 @@ applied, as :mod:`.sim_cache` does for acks.
 
 Operations carry no host indices (the storage query has not returned), so a
 terminated one is revoked; every revoke is recorded as ``(key, reason)`` in
-``PrefetchSim.ended`` with the check that ended it. ``deadline`` replaces the
+``PrefetchSim.ended`` with the check that ended it. A storage read that
+finishes (:meth:`PrefetchSim.complete`) puts its final ack on the
+controller's ``ack_prefetch_queue``, as the transfer worker does for every
+operation; upstream's drain (inside ``check_hicache_events``, by the agreed
+count) hands a still-current one to ``_handle_prefetch_result``, recorded as
+``(key, "completed")``. ``deadline`` replaces the
 real admission-poll timer with a predicate (per rank, in passes) where a test
 needs ranks whose clocks disagree deterministically.
 """
@@ -54,6 +59,29 @@ class PrefetchSim:
         """The scheduler's call for one waiting request."""
         self.checks += 1
         return self.cache.check_prefetch_progress(handle)
+
+    def read_queue(self):
+        """The ack queue a read submitted now reports to (reset and storage
+        attach build new ones; a read of an older one reports nowhere)."""
+        return self.sim.cc.storage_queue("ack_prefetch_queue")
+
+    def complete(self, operation, queue) -> bool:
+        """This rank's transfer worker finished ``operation``'s read, submitted
+        while ``queue`` was the ack queue: its final ack goes there, as
+        upstream's worker sends one for every operation, also a terminated one
+        (False if that queue was replaced meanwhile)."""
+        if queue is not self.read_queue():
+            return False
+        from .cache import Entry
+
+        operation.ack_releases_incomplete_host_indices = False  # no host indices
+        uid = self.sim.cc.next_uid()
+        ack = Entry(uid=uid, id=uid, handle=operation.handle, operation=operation)
+        ack.completed_req = True
+        if not operation.is_terminated():
+            ack.completed_tokens = len(operation.token_ids)
+        queue.put(ack)
+        return True
 
     def revoke(self, handle) -> None:
         """release_aborted_request's path for a prefetch without host indices."""
@@ -113,7 +141,13 @@ def add_prefetch(
         cache.ongoing_prefetch.pop(request)
         ps.ended.append(((request.rid, request.attempt_id), reasons.pop(request, "")))
 
+    def handle_result(operation):  # the completed read, inserted into the tree upstream
+        cache.ongoing_prefetch.pop(operation.handle)
+        key = (operation.handle.rid, operation.handle.attempt_id)
+        ps.ended.append((key, "completed"))
+
     d["_finish_storage_prefetch"] = finish
+    d["_handle_prefetch_result"] = handle_result
     d["_retire_ongoing_prefetch"] = retire
     if deadline is not None:
         d["_prefetch_deadline_expired"] = deadline

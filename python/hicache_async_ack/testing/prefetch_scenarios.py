@@ -18,7 +18,12 @@ env / rank_env ({rank: settings}), events (bool), check_all (every waiting
 request every pass), expect_error, host_memory_mode (the cache's), skew
 ({rank: from_pass}: from that pass on, that rank's waiting-queue loop visits one
 request fewer than the others', as a rank whose batch fills up earlier does:
-SGLang #30760).
+SGLang #30760), completions (bool: storage reads also finish, each rank's at
+its own pass but in submission order, as one transfer worker per rank finishes
+them; their acks are drained by the agreed count inside
+``check_hicache_events``), loop_only_verdicts (bool: the negative control; the
+verdicts are applied only where a rank's loop visits a request, as before the
+fix, so a skewed rank must diverge).
 """
 
 from __future__ import annotations
@@ -61,12 +66,19 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
             )
     skew_from = (spec.get("skew") or {}).get(str(rank))
     added: list = []
+    reads: list = []  # (operation, its ack queue, this rank's finish pass), submission order
+    raced = 0  # reads that finished in a pass where this rank's deadline had passed too
     per_pass: list = []
     detached_until = -1
     n_id = 0
     out: dict = {"events": {}}
     total = spec["passes"] + spec.get("drain", 40)
     p = 0
+    from ..features import prefetch_votes
+
+    applied = prefetch_votes.apply_verdicts
+    if spec.get("loop_only_verdicts"):  # as before the fix: verdicts only where visited
+        prefetch_votes.apply_verdicts = lambda *a: None
     try:
         for p in range(total):
             clock.now = p
@@ -78,13 +90,24 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
                 for _ in range(k):
                     life = shared.randint(1, 6)
                     skews = [shared.randint(0, 3) for _ in range(world)]
-                    births.append((f"r{n_id}", [p + life + s for s in skews]))
+                    finish: list = []  # per rank, the pass its storage read finishes
+                    if spec.get("completions"):
+                        base = p + shared.randint(1, 7)
+                        finish = [base + shared.randint(0, 2) for _ in range(world)]
+                    births.append((f"r{n_id}", [p + life + s for s in skews], finish))
                     n_id += 1
+                in_order = list(births)  # submission order: the shared one
                 local.shuffle(births)  # arrival order differs per rank
-                for rid, deadlines in births:
-                    h = ps.add(rid)
+                handles = {}
+                for rid, deadlines, _ in births:
+                    h = handles[rid] = ps.add(rid)
                     cache.ongoing_prefetch[h].operation.test_deadline = deadlines
                     added.append((rid, 0))
+                for rid, _, finish in in_order:
+                    if finish:  # one transfer worker: reads finish in submission order
+                        op = cache.ongoing_prefetch[handles[rid]].operation
+                        after = reads[-1][2] if reads else 0
+                        reads.append((op, ps.read_queue(), max(after, finish[rank])))
             if spec.get("events") and arriving:
                 ev = shared.random()
                 if ev < 0.03 and cache.enable_storage:
@@ -101,6 +124,10 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
             if not cache.enable_storage and p >= detached_until:
                 sim.attach_storage()
                 out["events"]["attach"] = out["events"].get("attach", 0) + 1
+            while reads and reads[0][2] <= p:  # this rank's worker finished these reads
+                op, q, _ = reads.pop(0)
+                due = not op.is_terminated() and clock.now >= op.test_deadline[rank]
+                raced += bool(ps.complete(op, q) and due)
             cache.check_hicache_events()
             waiting = sorted(cache.ongoing_prefetch, key=lambda h: int(h.rid[1:]))
             budget = len(waiting) if spec.get("check_all") else shared.randint(0, len(waiting))
@@ -115,6 +142,8 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["traceback"] = traceback.format_exc()
         out["error_pass"] = p
+    finally:
+        prefetch_votes.apply_verdicts = applied
     from ..features.prefetch_votes import state_of
 
     state = state_of(cache)
@@ -122,6 +151,7 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
         per_pass=per_pass,
         added=added,
         left=len(cache.ongoing_prefetch),
+        raced=raced,
         stopped_on_verdict=state.stopped if state else 0,
         pipelined=bool(state and state.active),
         checks=ps.checks,
