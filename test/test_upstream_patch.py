@@ -669,3 +669,63 @@ def test_a_peer_with_the_switch_off_trips_its_digest_check_and_stops_the_others(
         else:
             assert "ran the blocking all_reduce" in err and ENABLE_VAR in err, (rank, err)
         assert [p for pre, post in r["pops"] for p in pre + post] == [], rank
+
+
+def test_a_plugin_node_beside_a_patched_tree_node_both_stop_naming_the_mix(
+    release, intree_env, tmp_path
+):
+    """Issue 22 point 5 over real gloo on 127.0.0.1: one interpreter on the
+    patched tree (plugin excluded), one on the same release with the plugin
+    loaded, in one group. Each must stop before any pop, naming the other form
+    (not a depth, a bare digest or a timeout)."""
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
+    )
+    envs = [intree_env, _env(release[0], exclude_plugin=False)]
+    outs = [tmp_path / f"rank{rank}.json" for rank in range(len(envs))]
+    logs = [tmp_path / f"rank{rank}.log" for rank in range(len(envs))]
+    module = "hicache_async_ack.testing.mixed_node"
+    procs = []
+    try:
+        for rank, env in enumerate(envs):
+            with open(logs[rank], "w") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            module,
+                            str(rank),
+                            "2",
+                            str(store.port),
+                            str(outs[rank]),
+                        ],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        for proc in procs:
+            proc.wait(timeout=600)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    assert all(out.exists() for out in outs), [log.read_text()[-3000:] for log in logs]
+    in_tree, plugin = (json.loads(out.read_text()) for out in outs)
+    assert (in_tree["form"], plugin["form"]) == ("in_tree", "plugin"), (in_tree, plugin)
+    assert "a peer runs the hicache-async-ack plugin" in in_tree["error"], in_tree
+    assert "a peer runs SGLang's in-tree HiCache ack sync (a patched tree)" in plugin["error"], (
+        plugin
+    )
+    for r in (in_tree, plugin):
+        assert r["popped"] == [], r
+        assert "differs" not in r["error"] and "bare digest" not in r["error"], r
+        assert "imed out" not in r["error"] and "Connection" not in r["error"], r
