@@ -182,6 +182,7 @@ def test_the_report_names_inconclusive_claims_and_the_seed_form(capsys, tmp_path
         (["--lanes", "0"], "integers >= 1"),
         (["--tp", "0"], "an integer from 1 to 8"),
         (["--workload", "sharegpt"], "gsp"),
+        (["--storage-prefetch-timeout-s", "soon"], "a number >= 0 (seconds)"),
     ],
 )
 def test_bad_options_name_the_accepted_values(argv, accepted, capsys):

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from ... import __version__
-from ..options import ToolError
+from ..options import ToolError, nonneg_float
 from .driver import save, versions
 from .summary import render
 
@@ -71,6 +71,11 @@ def add_arguments(p) -> None:
                    help="prompts sent at once per round (default 24)")  # fmt: skip
     g.add_argument("--storage-prompt-words", type=int, default=40,
                    help="words per prompt (~3.7 tokens each; default 40)")  # fmt: skip
+    g.add_argument("--storage-prefetch-timeout-s", default=None,
+                   type=nonneg_float("prefetch timeout", "seconds"),
+                   help="the servers' prefetch_timeout_base (default: SGLang's, 1 s; on "
+                   "2 cores most prefetches of a burst miss it, a longer one keeps "
+                   "them waiting, and voted on, to the end)")  # fmt: skip
 
 
 def prompts(n: int, words: int, seed: int) -> list[str]:
@@ -186,7 +191,10 @@ def visit(cfg: dict, conf: tuple, rnd: int, workdir: Path, quiet: bool) -> dict:
     counts_dir = workdir / f"counts-{name}"
     counts_dir.mkdir(parents=True, exist_ok=True)
     texts = prompts(cfg["storage_prompts"], cfg["storage_prompt_words"], cfg["seed"])
-    extra = json.dumps({"prefetch_threshold": 16})  # our prompts are short
+    extra_cfg: dict = {"prefetch_threshold": 16}  # our prompts are short
+    if cfg.get("storage_prefetch_timeout_s") is not None:
+        extra_cfg["prefetch_timeout_base"] = cfg["storage_prefetch_timeout_s"]
+    extra = json.dumps(extra_cfg)
     args = [*server_args(cfg, arm), *MOONCAKE_ARGS, "--hicache-storage-backend-extra-config", extra]
     runs: list[dict] = []
     load_start, t0 = os.getloadavg(), time.monotonic()
@@ -296,7 +304,13 @@ def title_of(cfg: dict) -> str:
         f"{cfg['storage_prompt_words']} words at once per round, each waiting on its L3 "
         f"prefetch (device and host flushed before each round), output {cfg['output_len']} "
         f"tokens; {cfg['rounds']} rounds x {cfg['runs']} measured run(s), a fresh server each"
+        + _timeout_note(cfg)
     )
+
+
+def _timeout_note(cfg: dict) -> str:
+    t = cfg.get("storage_prefetch_timeout_s")
+    return "" if t is None else f"; prefetch timeout {t:g} s"
 
 
 def draw_png(path: Path, visits: list[dict], title: str) -> None:
@@ -346,6 +360,7 @@ def run(args) -> int:
         "storage": args.storage,
         "storage_prompts": args.storage_prompts,
         "storage_prompt_words": args.storage_prompt_words,
+        "storage_prefetch_timeout_s": args.storage_prefetch_timeout_s,
     }
     if set(cfg["arms"]) - {"stock", "plugin"}:
         raise ToolError("--storage runs the stock and plugin arms only")
