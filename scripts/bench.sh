@@ -11,11 +11,11 @@
 #   scripts/bench.sh --seed-table [bench-server args]
 #       the seed's table: L1, stock, plugin and the zero-sync bound, multi-turn
 #       (8 lanes x 6 turns, 3 runs per server), 0 and 3.2 ms, TP=2, 5 rounds: 30 server
-#       starts (~35 min on a quiet box, estimated from the per-start cost; add --tp 4)
+#       starts (26 min on a quiet box, measured; add --tp 4)
 #   scripts/bench.sh --sweep [bench-server args]
 #       how the gain grows with the work: 4, 8, 16, 32 lanes at 3.2 ms, stock, plugin
 #       and the bound, 3 rounds, a plot of plugin/stock and plugin/bound: 36 server
-#       starts (~45 min on a quiet box, estimated)
+#       starts (~32 min on a quiet box: 2 rounds took 21 min)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$(bash "$root/scripts/setup.sh")
