@@ -327,7 +327,9 @@ def _bench(tmp_path, *argv: str) -> tuple[dict, str]:
 def test_the_seeds_arms_on_the_real_server_multiturn(tmp_path):
     record, stdout = _bench(
         tmp_path, "--workload", "multiturn", "--arms", "l1,stock,plugin,bound",
-        "--latency-ms", "3.2", "--rounds", "1", "--lanes", "2", "--turns", "3",
+        # 4 histories of ~200 tokens cannot all stay in the 512-token device pool, so
+        # some come back from host whatever the timing (2 lanes could both fit)
+        "--latency-ms", "3.2", "--rounds", "1", "--lanes", "4", "--turns", "3",
     )  # fmt: skip
     by_arm = {v["arm"]: v for v in record["visits"]}
     assert sorted(by_arm) == ["bound", "l1", "plugin", "stock"]
@@ -336,7 +338,7 @@ def test_the_seeds_arms_on_the_real_server_multiturn(tmp_path):
     assert by_arm["stock"]["pipelined_ranks"] == by_arm["bound"]["pipelined_ranks"] == 0
     for v in record["visits"]:
         (run,) = v["runs"]
-        assert run["completed"] == 2 * 3  # every turn of every lane
+        assert run["completed"] == 4 * 3  # every turn of every lane
         assert len(run["loadavg_start"]) == len(run["loadavg_end"]) == 3
         assert v["output_throughput"] > 0
     assert by_arm["plugin"]["runs"][0]["host_share"] > 0  # histories came back from host

@@ -50,7 +50,8 @@ def run(rank: int, world: int, port: int) -> dict:
         from ..features.ack_sync import after_init_hicache, state_of
 
         after_init_hicache(None, cache, None, None)
-        assert state_of(cache).decide(cache).pipelined, "the plugin rank must pipeline"
+        state = state_of(cache)
+        assert state is not None and state.decide(cache).pipelined, "the plugin must pipeline"
     for kind in ("write", "load"):
         sim.add_ack(kind, lambda: True)  # ready everywhere: popped only if agreed
     try:
