@@ -718,7 +718,8 @@ def test_a_plugin_node_beside_a_patched_tree_node_both_stop_naming_the_mix(
             if proc.poll() is None:
                 os.killpg(proc.pid, 9)
                 proc.wait()
-    assert all(out.exists() for out in outs), [log.read_text()[-3000:] for log in logs]
+    missing = [out for out in outs if not out.exists()]  # two ranks, each writes one
+    assert not missing, [log.read_text()[-3000:] for log in logs]
     in_tree, plugin = (json.loads(out.read_text()) for out in outs)
     assert (in_tree["form"], plugin["form"]) == ("in_tree", "plugin"), (in_tree, plugin)
     assert "a peer runs the hicache-async-ack plugin" in in_tree["error"], in_tree
