@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Optional, cast
 
-from .cache import SimCache
+from .cache import Entry, SimCache
 
 
 @dataclass
@@ -72,8 +72,6 @@ class PrefetchSim:
         (False if that queue was replaced meanwhile)."""
         if queue is not self.read_queue():
             return False
-        from .cache import Entry
-
         operation.ack_releases_incomplete_host_indices = False  # no host indices
         uid = self.sim.cc.next_uid()
         ack = Entry(uid=uid, id=uid, handle=operation.handle, operation=operation)
