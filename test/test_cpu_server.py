@@ -232,3 +232,48 @@ def test_a_directory_without_the_weights_is_refused_not_replaced(tmp_path):
     with pytest.raises(RuntimeError, match="no complete tiny model"):
         model.ensure_model(old)
     assert (old / "config.json").read_text() == "{}"
+
+
+def test_a_port_taken_before_the_server_binds_it_is_replaced_not_waited_on(tmp_path, monkeypatch):
+    # The first launch logs uvicorn's bind error and runs on without HTTP (as SGLang's
+    # main process does); the second serves /health on whatever port start picked.
+    launches: list[int] = []
+    serve = (
+        "import http.server, sys\n"
+        "class H(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers(); self.wfile.write(b'ok')\n"
+        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n"
+    )
+
+    def launch(self):
+        launches.append(self.port)
+        if len(launches) == 1:
+            self.log_path.write_text(f"ERROR: [Errno 98] {cpu_server.PORT_IN_USE_MARK} x\n")
+            code = ["-c", "import time; time.sleep(120)"]
+        else:
+            self.log_path.write_text("")  # each launch starts its log afresh, as _launch does
+            code = ["-c", serve, str(self.port)]
+        self.proc = subprocess.Popen([sys.executable, *code], start_new_session=True)
+
+    monkeypatch.setattr(cpu_server.Server, "_launch", launch)
+    server = cpu_server.Server([], log_path=tmp_path / "s.log", start_timeout_s=60)
+    try:
+        server.start()
+        assert len(launches) == 2 and launches[0] != launches[1] == server.port
+        assert server.args[-1] == str(server.port) and server.get("/health") == b"ok"
+    finally:
+        server.stop()
+    # Negative control: a server that never answers and names no port error is waited
+    # on to its timeout and reported, not relaunched.
+    launches.clear()
+    monkeypatch.setattr(
+        cpu_server.Server,
+        "_launch",
+        lambda self: setattr(self, "proc", subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)),
+    )  # fmt: skip
+    quiet = cpu_server.Server([], log_path=tmp_path / "q.log", start_timeout_s=3)
+    with pytest.raises(cpu_server.ServerFailed, match="not ready in 3 s"):
+        quiet.start()
+    assert quiet.proc is not None and quiet.proc.poll() is not None  # stopped, also on failure

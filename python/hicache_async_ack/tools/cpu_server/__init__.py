@@ -131,8 +131,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PORT_IN_USE_MARK = "error while attempting to bind on address"  # uvicorn's, in the log
+PORT_ATTEMPTS = 3
+
+
 class ServerFailed(RuntimeError):
     """The server exited or did not come up in time; the message ends with its log."""
+
+
+class PortInUse(ServerFailed):
+    """The HTTP port was taken before the server bound it (start picks another)."""
 
 
 class Server:
@@ -179,6 +187,26 @@ class Server:
         self.stop()
 
     def start(self) -> None:
+        # A free port can be taken between picking it and the server binding it (by one
+        # of SGLang's own sockets, say): then the HTTP server is gone while the
+        # schedulers run on, and /health never answers. Stop, pick another, start again.
+        for _ in range(PORT_ATTEMPTS):
+            self._launch()
+            if not self.wait:
+                return
+            try:
+                self.wait_ready()
+                return
+            except PortInUse:
+                self.stop()
+                self.port = free_port()
+                self.args[-1] = str(self.port)
+            except BaseException:
+                self.stop()
+                raise
+        raise ServerFailed(f"port in use {PORT_ATTEMPTS} times\n{self.log(40)}")
+
+    def _launch(self) -> None:
         cmd = command(self.args, weights=self.weights)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
@@ -188,12 +216,6 @@ class Server:
                 cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )  # fmt: skip
-        if self.wait:
-            try:
-                self.wait_ready()
-            except BaseException:
-                self.stop()
-                raise
 
     def wait_ready(self) -> None:
         start = time.monotonic()
@@ -207,6 +229,8 @@ class Server:
                 self.startup_s = time.monotonic() - start
                 return
             except (OSError, urllib.error.URLError):
+                if PORT_IN_USE_MARK in self.log(40):
+                    raise PortInUse(f"port {self.port} in use\n{self.log(20)}") from None
                 time.sleep(1.0)
         raise ServerFailed(f"server not ready in {self.start_timeout_s:.0f} s\n{self.log(80)}")
 
