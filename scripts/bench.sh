@@ -9,9 +9,10 @@
 #   scripts/bench.sh --no-server [bench args]     the step bench only
 #   scripts/bench.sh --server-only [bench-server args]
 #   scripts/bench.sh --seed-table [bench-server args]
-#       the seed's table: L1, stock, plugin and the zero-sync bound, multi-turn
-#       (8 lanes x 6 turns, 3 runs per server), 0 and 3.2 ms, TP=2, 5 rounds: 30 server
-#       starts (26 min on a quiet box, measured; add --tp 4)
+#       the seed's table: L1, stock, plugin, the zero-sync bound and the local reduce
+#       (the plugin's step-late pop without its collective), multi-turn (8 lanes x 6
+#       turns, 3 runs per server), 0 and 3.2 ms, TP=2, 5 rounds: 35 server starts
+#       (~30 min on a quiet box: 30 took 26 min; add --tp 4)
 #   scripts/bench.sh --sweep [bench-server args]
 #       how the gain grows with the work: 4, 8, 16, 32 lanes at 3.2 ms, stock, plugin
 #       and the bound, 3 rounds, a plot of plugin/stock and plugin/bound: 36 server
@@ -21,7 +22,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$(bash "$root/scripts/setup.sh")
 cd "$root"
 cli="$venv/bin/hicache-async-ack"
-seed_arms=(--workload multiturn --arms l1,stock,plugin,bound)
+seed_arms=(--workload multiturn --arms l1,stock,plugin,bound,local)
 case "${1:-}" in
   --no-server) shift; exec "$cli" bench "$@" ;;
   --server-only) shift; exec "$cli" bench-server "$@" ;;

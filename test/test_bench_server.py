@@ -279,6 +279,105 @@ def test_cpu_server_refuses_the_bound_with_the_plugin_on_and_accepts_it_off():
     assert f"{bound.CPU_BOUND_VAR}=1" in off.stderr  # what the server would be given
 
 
+# --- the local plugin reduce's stand-in ------------------------------------------------
+
+LOCAL_ENV = {bound.CPU_LOCAL_REDUCE_VAR: "1", ENABLE_VAR: "1"}
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ({CPU_SKEW_VAR: "0,3"}, CPU_SKEW_VAR),
+        ({CPU_REDUCE_LATENCY_VAR: "3.2"}, CPU_REDUCE_LATENCY_VAR),
+        ({ENABLE_VAR: "0"}, ENABLE_VAR),
+    ],
+)
+def test_the_local_reduce_is_refused_where_its_answers_would_be_wrong(extra, named):
+    assert bound.check_local({}) is False
+    assert bound.check_local(LOCAL_ENV) is True
+    with pytest.raises(ValueError, match=named):
+        bound.check_local(LOCAL_ENV | extra)
+    with pytest.raises(ValueError, match="choose one"):  # never both devices at once
+        bound.check(BOUND_ENV | {bound.CPU_LOCAL_REDUCE_VAR: "1"})
+
+
+def _register_on_the_adapter(monkeypatch, env):
+    from hicache_async_ack import adapter
+
+    for k in (bound.CPU_LOCAL_REDUCE_VAR, bound.CPU_BOUND_VAR):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(adapter.INSTALLED, "current", adapter.Collectives())
+    patches: dict = {}
+    bound.register(patches, {})
+    patches["hicache_async_ack.adapter"](adapter)
+    return adapter.collectives().async_min
+
+
+def test_the_local_reduce_answers_the_plugins_reduces_with_the_ranks_own_value(monkeypatch):
+    from hicache_async_ack.adapter import torch_min_all_reduce
+
+    issue = _register_on_the_adapter(monkeypatch, LOCAL_ENV)(object())  # no group needed
+    handle = issue([3, 5, 9, -9])
+    assert handle.is_completed() and handle.wait() == [3, 5, 9, -9]
+    # Negative control: without the variable the plugin's real reduce stays installed.
+    assert _register_on_the_adapter(monkeypatch, {}) is torch_min_all_reduce
+
+
+def test_cpu_server_refuses_the_local_reduce_with_the_plugin_off():
+    import os
+
+    base = [sys.executable, "-m", "hicache_async_ack", "cpu-server", "--tp", "2",
+            "--cpu-local-reduce", "--cpu-print-command"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != ENABLE_VAR}
+    off = subprocess.run(base, capture_output=True, text=True, timeout=120,
+                         env=env | {ENABLE_VAR: "0"})  # fmt: skip
+    assert off.returncode == 2 and ENABLE_VAR in off.stderr
+    on = subprocess.run(base, capture_output=True, text=True, timeout=120, env=env)
+    assert on.returncode == 0, on.stderr
+    assert f"{bound.CPU_LOCAL_REDUCE_VAR}=1" in on.stderr
+
+
+def test_the_dedicated_group_is_off_unless_asked_for_and_never_beside_another_device():
+    assert bound.check_dedicated({}) is False
+    assert bound.check_dedicated({bound.CPU_DEDICATED_GROUP_VAR: "1"}) is True
+    for other in (bound.CPU_LOCAL_REDUCE_VAR, bound.CPU_BOUND_VAR):
+        with pytest.raises(ValueError, match=bound.CPU_DEDICATED_GROUP_VAR):
+            bound.check_dedicated({bound.CPU_DEDICATED_GROUP_VAR: "1", other: "1"})
+
+
+def test_the_dedicated_arm_runs_per_latency_and_is_compared_with_the_plugin():
+    cfg = {"arms": ["bound", "plugin", "dedicated"], "latencies_ms": [0.0, 3.2], "lanes": [8]}
+    assert server_report.configs(cfg) == [
+        ("bound", 0.0, 8), ("plugin", 0.0, 8), ("dedicated", 0.0, 8),
+        ("plugin", 3.2, 8), ("dedicated", 3.2, 8),
+    ]  # fmt: skip
+    visits = [
+        {"arm": a, "latency_ms": lat, "lanes": 8, "round": r, "output_throughput": 100.0}
+        for r in range(2)
+        for a, lat, _ in server_report.configs(cfg)
+    ]
+    names = {(x["ratio"], x["latency_ms"]) for x in server_report.ratios(cfg, visits)}
+    assert {("dedicated / plugin", 3.2), ("dedicated / bound", 0.0)} <= names
+
+
+def test_the_local_arm_splits_plugin_over_bound_in_two():
+    cfg = {"arms": ["bound", "local", "plugin"], "latencies_ms": [3.2], "lanes": [8]}
+    assert server_report.configs(cfg) == [
+        ("bound", 0.0, 8), ("local", 0.0, 8), ("plugin", 3.2, 8),
+    ]  # fmt: skip
+    visits = [
+        {"arm": a, "latency_ms": lat, "lanes": 8, "round": r, "output_throughput": tput}
+        for r in range(3)
+        for a, lat, tput in (("bound", 0.0, 100.0), ("local", 0.0, 95.0), ("plugin", 3.2, 90.0))
+    ]
+    by = {r["ratio"]: r["value"] for r in server_report.ratios(cfg, visits)}
+    assert by["local / bound"] == pytest.approx(0.95)
+    assert by["plugin / local"] == pytest.approx(90 / 95)
+    assert by["plugin / bound"] == pytest.approx(by["local / bound"] * by["plugin / local"])
+
+
 # --- the seed-shaped trace ----------------------------------------------------------
 
 
@@ -326,19 +425,23 @@ def _bench(tmp_path, *argv: str) -> tuple[dict, str]:
 @pytest.mark.e2e
 def test_the_seeds_arms_on_the_real_server_multiturn(tmp_path):
     record, stdout = _bench(
-        tmp_path, "--workload", "multiturn", "--arms", "l1,stock,plugin,bound",
-        # 4 histories of ~200 tokens cannot all stay in the 512-token device pool, so
-        # some come back from host whatever the timing (2 lanes could both fit)
+        tmp_path, "--workload", "multiturn", "--arms", "l1,stock,plugin,bound,local",
+        # 4 histories of up to ~500 tokens cannot all stay in a 1024-token device pool,
+        # so some come back from host whatever the timing, while the longest still fits
+        # one request's context (every turn served: the bench refuses a run otherwise)
         "--latency-ms", "3.2", "--rounds", "1", "--lanes", "4", "--turns", "3",
+        "--max-total-tokens", "1024",
     )  # fmt: skip
     by_arm = {v["arm"]: v for v in record["visits"]}
-    assert sorted(by_arm) == ["bound", "l1", "plugin", "stock"]
-    assert by_arm["plugin"]["pipelined_ranks"] == 2  # read from the server's /metrics
-    assert by_arm["plugin"]["popped_entries"] > 0
+    assert sorted(by_arm) == ["bound", "l1", "local", "plugin", "stock"]
+    for arm in ("plugin", "local"):  # read from the server's /metrics
+        assert by_arm[arm]["pipelined_ranks"] == 2
+        assert by_arm[arm]["popped_entries"] > 0
     assert by_arm["stock"]["pipelined_ranks"] == by_arm["bound"]["pipelined_ranks"] == 0
     for v in record["visits"]:
         (run,) = v["runs"]
         assert run["completed"] == 4 * 3  # every turn of every lane
+        assert run["total_output_tokens"] == 4 * 3 * 16  # and every one served
         assert len(run["loadavg_start"]) == len(run["loadavg_end"]) == 3
         assert v["output_throughput"] > 0
     assert by_arm["plugin"]["runs"][0]["host_share"] > 0  # histories came back from host
@@ -415,3 +518,21 @@ def test_an_earlier_runs_visits_are_reported_without_running_anything(tmp_path, 
     assert record["ratios"] and all(r["n"] == 2 for r in record["ratios"]), record["ratios"]
     verdicts = {stats.HOLDS, stats.FAILS, stats.INCONCLUSIVE}
     assert all(r["verdict"] in verdicts for r in record["ratios"])
+
+
+def test_earlier_runs_pool_their_rounds_without_pairing_across_runs(tmp_path):
+    from hicache_async_ack.tools.bench.arms import load_visits
+    from hicache_async_ack.tools.options import ToolError
+
+    files = []
+    for run, rounds in (("a", 2), ("b", 3)):
+        path = tmp_path / f"{run}.jsonl"
+        path.write_text("".join(json.dumps({"arm": "plugin", "round": r, "run": run}) + "\n"
+                                for r in range(rounds)))  # fmt: skip
+        files.append(str(path))
+    visits = load_visits(",".join(files))
+    assert [(v["run"], v["round"]) for v in visits] == [
+        ("a", 0), ("a", 1), ("b", 2), ("b", 3), ("b", 4),
+    ]  # fmt: skip
+    with pytest.raises(ToolError, match="missing.jsonl is not a file"):
+        load_visits(str(tmp_path / "missing.jsonl"))

@@ -559,3 +559,34 @@ def test_negative_control_broken_copies_fail_the_mooncake_comparison(workdir):
     FINDINGS["negative_control"] = str(c)
     assert c.restored > 0, f"nothing came back from Mooncake: {c}"
     assert c.mismatches, f"broken copies went unnoticed: {c}"
+
+
+# --- the storage bench: a whole burst waits on its prefetches ---------------------------
+
+
+def _storage_bench(tmp_path: Path, *argv: str) -> dict:
+    import subprocess
+    import sys
+
+    out = tmp_path / "storage.jsonl"
+    cmd = [sys.executable, "-m", "hicache_async_ack", "bench-server", "--storage", "mooncake",
+           "--arms", "plugin", "--latency-ms", "0", "--rounds", "1", "--runs", "1", *argv,
+           "--out", str(out), "--png", str(tmp_path / "storage.png"),
+           "--workdir", str(tmp_path / "work"), "--quiet"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (visit,) = json.loads(out.read_text().splitlines()[-1])["visits"]
+    (run,) = visit["runs"]
+    return run
+
+
+def test_the_storage_bench_keeps_a_whole_burst_waiting_on_its_prefetches(tmp_path):
+    # The default host pool takes the burst: every prompt's prefetch is issued, none is
+    # declined for want of host memory, and many are decided on in the same pass.
+    run = _storage_bench(tmp_path / "default")
+    assert run["prefetches_issued"] >= 24 and run["declined_rate_limited"] == 0, run
+    assert run["prefetch_max"] > 1 and run["storage_tokens"] > 0, run
+    # Negative control: at 4x the device pool (the bench's first default) SGLang's
+    # prefetch budget, half the host pool, is full before the burst is, and it declines.
+    small = _storage_bench(tmp_path / "small", "--hicache-ratio", "4")
+    assert small["declined_rate_limited"] > 0, small

@@ -307,6 +307,13 @@ def test_counts_written_per_rank_and_read_back(tmp_path, monkeypatch):
     got = mooncake_standins.read_counts(tmp_path)
     assert got == {"0": {"passes": 4, "blocking": 1, "prefetch_passes": 2,
                          "prefetches_voted": 8, "prefetch_max": 5}}  # fmt: skip
+    # SGLang's own outcome counters, where the release keeps them: the latest snapshot
+    counts.outcomes_seen({"issued": 3, "declined_rate_limited": 1, "attempts": 9})
+    counts.outcomes_seen({"issued": 7, "declined_rate_limited": 4, "attempts": 12})
+    counts.write()
+    got = mooncake_standins.read_counts(tmp_path)["0"]
+    assert (got["issued"], got["declined_rate_limited"]) == (7, 4)
+    assert "attempts" not in got and "declined_too_short" not in got
 
 
 # --- the storage bench's arithmetic -----------------------------------------------------
@@ -321,6 +328,10 @@ def test_storage_round_figures_and_headline():
         for i in range(4)
     ]  # fmt: skip
     f = storage.round_figures(replies, 2.0, {"passes": 10, "blocking": 25, "prefetches_voted": 30})
+    assert f["prefetches_issued"] is None  # a release without SGLang's outcome counters
+    f = storage.round_figures(replies, 2.0, {"passes": 10, "blocking": 25, "prefetches_voted": 30,
+                                             "issued": 6, "declined_rate_limited": 2})  # fmt: skip
+    assert (f["prefetches_issued"], f["declined_rate_limited"]) == (6, 2)
     assert f["output_throughput"] == pytest.approx(8.0)
     assert f["storage_hit_share"] == pytest.approx(0.5)
     assert f["blocking_per_pass"] == pytest.approx(2.5)

@@ -10,17 +10,32 @@ from ..options import ToolError
 from . import multiturn
 from .server_report import configs
 
-ARMS = ("l1", "stock", "plugin", "bound")
+ARMS = ("l1", "stock", "plugin", "bound", "local", "dedicated")
+# local: the plugin with its reduces answered locally; dedicated: on a group of their own
+PIPELINED_ARMS = ("plugin", "local", "dedicated")
 DEFAULT_ARMS = ("stock", "plugin")
 WORKLOADS = ("gsp", "multiturn")
-BOUND_MARK = "ZERO-SYNC BOUND"  # bound.py's start-up warning, once per scheduler
+# multiturn's device pool: the longest history (system prompt, 6 questions, 5 replies:
+# ~950 tokens with the bundled tokenizer) must fit one request's context, while 8
+# lanes' histories (~7,500 tokens) still spill to host
+MULTITURN_POOL = 2048
+# bound.py's start-up warnings, once per scheduler: the measurement device really ran
+MARKS = {
+    "bound": "ZERO-SYNC BOUND",
+    "local": "LOCAL PLUGIN REDUCE",
+    "dedicated": "DEDICATED REDUCE GROUP",
+}
 
 
 def arm_env(arm: str) -> dict[str, str]:
-    from ..cpu_server.bound import CPU_BOUND_VAR
+    from ..cpu_server.bound import CPU_BOUND_VAR, CPU_DEDICATED_GROUP_VAR, CPU_LOCAL_REDUCE_VAR
 
     if arm == "plugin":
         return {ENABLE_VAR: "1"}
+    if arm == "local":
+        return {ENABLE_VAR: "1", CPU_LOCAL_REDUCE_VAR: "1"}
+    if arm == "dedicated":
+        return {ENABLE_VAR: "1", CPU_DEDICATED_GROUP_VAR: "1"}
     if arm == "bound":
         return {ENABLE_VAR: "0", CPU_BOUND_VAR: "1"}
     return {ENABLE_VAR: "0"}
@@ -62,18 +77,20 @@ def plugin_state(server) -> dict:
 
 def check_arm(cfg: dict, arm: str, state: dict, server, name: str) -> None:
     """A run is reported under its arm only if the server really ran that arm."""
-    expected = cfg["tp"] if arm == "plugin" else 0
+    expected = cfg["tp"] if arm in PIPELINED_ARMS else 0
     if state["pipelined_ranks"] != expected:
         raise ToolError(
             f"{name}: {state['pipelined_ranks']} ranks pipelined, expected "
             f"{expected}; see {server.log_path}"
         )
-    marks = server.log().count(BOUND_MARK)
-    if (arm == "bound") != (marks > 0):
-        raise ToolError(
-            f"{name}: the zero-sync bound {'missing' if arm == 'bound' else 'on'}"
-            f" ({marks} start-up marks); see {server.log_path}"
-        )
+    log = server.log()
+    for device, mark in MARKS.items():
+        marks = log.count(mark)
+        if (arm == device) != (marks > 0):
+            raise ToolError(
+                f"{name}: the {device} arm's device {'missing' if arm == device else 'on'}"
+                f" ({marks} start-up marks of {mark!r}); see {server.log_path}"
+            )
 
 
 def rounds_of(cfg: dict) -> list[list[tuple]]:
@@ -111,6 +128,26 @@ def config_of(args) -> dict:
         "lanes": list(args.lanes) if args.workload == "multiturn" else [None],
         "server_args": list(args.server_arg),
     }
+    multiturn_run = args.workload == "multiturn" and not getattr(args, "storage", None)
+    if cfg["max_total_tokens"] is None:
+        cfg["max_total_tokens"] = MULTITURN_POOL if multiturn_run else 512
     if cfg["hicache_ratio"] is None:
         cfg["hicache_ratio"] = 16.0 if args.workload == "multiturn" else 4.0
     return cfg
+
+
+def load_visits(spec: str) -> list[dict]:
+    """``--from-visits A.jsonl[,B.jsonl...]``: earlier runs' visits, pooled. Each later
+    file's rounds are numbered after the earlier ones', so rounds stay pairs within a
+    run and are never paired across runs."""
+    import json
+    from pathlib import Path
+
+    visits: list[dict] = []
+    for path in [x for x in spec.split(",") if x]:
+        if not Path(path).is_file():
+            raise ToolError(f"--from-visits: {path} is not a file (a workdir's visits.jsonl)")
+        offset = 1 + max((v["round"] for v in visits), default=-1)
+        lines = Path(path).read_text().splitlines()
+        visits += [v | {"round": v["round"] + offset} for v in map(json.loads, filter(None, lines))]
+    return visits

@@ -7,11 +7,15 @@ Each arm is a real ``launch_server`` on this CPU-only host (``cpu-server``):
 - ``plugin``: L2 with the plugin pipelining it;
 - ``bound``: L2 with every HiCache collective answered by the rank's own value
   (cpu-server's ``--cpu-bound``: valid because on CPU without skew every rank's
-  counts are equal; a measurement device, never a mode a server can be put in).
+  counts are equal; a measurement device, never a mode a server can be put in);
+- ``local``: the plugin, a step late as usual, with its reduces answered by the
+  rank's own value (``--cpu-local-reduce``, valid as the bound is): it splits
+  plugin / bound into the step-late pop's cost (local / bound) and the real
+  collective's (plugin / local).
 
 ``--latency-ms`` models a host whose gloo all_reduce is slow (the seed's B200 host:
-3.2 ms) inside the L2 servers; l1 and the bound have no HiCache collective, so one
-measurement of each stands for every latency.
+3.2 ms) inside the L2 servers; l1, the bound and local delay no HiCache collective,
+so one measurement of each stands for every latency.
 
 Workloads: ``gsp`` (the quick default), bench_serving's generated-shared-prefix;
 ``multiturn``, the seed's shape: ``--lanes`` concurrent conversations x ``--turns``
@@ -48,6 +52,7 @@ from .arms import (
     arm_env,
     check_arm,
     config_of,
+    load_visits,
     plugin_state,
     rounds_of,
     server_args,
@@ -129,10 +134,12 @@ def visit(cfg: dict, conf: tuple, rnd: int, workdir: Path, quiet: bool) -> dict:
     finally:
         server.stop()
     check_arm(cfg, arm, state, server, name)
+    check_served(cfg, server, name, results)
     runs = [
         {key: res.get(key) for key, _ in FIGURES}
         | {
             "completed": res.get("completed"),
+            "total_output_tokens": res.get("total_output_tokens"),
             "duration": res.get("duration"),
             "host_share": multiturn.host_share(res),
             "cache_report": res.get("cache_report"),
@@ -164,6 +171,30 @@ def visit(cfg: dict, conf: tuple, rnd: int, workdir: Path, quiet: bool) -> dict:
             file=sys.stderr,
         )
     return rec
+
+
+REFUSED_MARK = "exceeds the maximum allowed length"  # SGLang's refusal of a long input
+
+
+def check_served(cfg: dict, server, name: str, results: list[dict]) -> None:
+    """Every request must have been served: SGLang answers an input longer than the
+    context a 512-token pool allows with an error at once, which bench_serving counts
+    as completed and which would make the arm look faster for doing less."""
+    refused = server.log().count(REFUSED_MARK)
+    if refused:
+        raise ToolError(
+            f"{name}: the server refused {refused} request(s) as longer than its context "
+            f"(device pool {cfg['max_total_tokens']} tokens): raise --max-total-tokens or "
+            f"shorten the prompts; see {server.log_path}"
+        )
+    for res in results:
+        want = (res.get("completed") or 0) * cfg["output_len"]
+        if want and (res.get("total_output_tokens") or 0) < want:
+            raise ToolError(
+                f"{name}: {res.get('total_output_tokens')} output tokens for "
+                f"{res.get('completed')} requests of {cfg['output_len']}: some got no "
+                f"reply; see {server.log_path}"
+            )
 
 
 def start(server, name: str, quiet: bool) -> int:
@@ -198,15 +229,18 @@ def run(args) -> int:
     cfg = config_of(args)
     # SIGTERM unwinds like Ctrl-C, so the server and client of the visit stop too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    if "bound" in cfg["arms"] and any("skew" in a for a in cfg["server_args"]):
-        raise ToolError("the bound arm is only valid without skew (every rank's counts equal)")
+    for device in ("bound", "local"):
+        if device in cfg["arms"] and any("skew" in a for a in cfg["server_args"]):
+            raise ToolError(
+                f"the {device} arm is only valid without skew (every rank's counts equal)"
+            )
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hicache-bench-server-"))
     workdir.mkdir(parents=True, exist_ok=True)
     load_at_start = os.getloadavg()
     t0 = time.monotonic()
     visits = []
     if args.from_visits:  # an earlier run's visits, complete or cut short: report only
-        visits = [json.loads(x) for x in Path(args.from_visits).read_text().splitlines() if x]
+        visits = load_visits(args.from_visits)
         cfg["rounds"] = len({v["round"] for v in visits})
         load_at_start = visits[0]["loadavg_start"] if visits else load_at_start
     for rnd, order in enumerate([] if args.from_visits else rounds_of(cfg)):
@@ -265,7 +299,7 @@ def _lanes(raw: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(parse_list("--lanes", raw, item, "integers >= 1, e.g. 4,8,16")))
 
 
-SUMMARY = "the seed's arms (l1, stock, plugin, bound) on SGLang's real server (cpu-server)"
+SUMMARY = "the seed's arms (l1, stock, plugin, bound, local) on SGLang's real server (cpu-server)"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -335,15 +369,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--max-total-tokens",
         type=int_in("--max-total-tokens", 64),
-        default=512,
-        help="device KV pool (default 512: small, so prefixes go to host)",
+        default=None,
+        help="device KV pool (default 512 for gsp and --storage: small, so prefixes go "
+        "to host; 2048 for multiturn, whose longest history, ~950 tokens at the "
+        "defaults, must fit one request's context)",
     )
     p.add_argument(
         "--hicache-ratio",
         type=float,
         default=None,
         help="host pool / device pool (default 4 for gsp; 16 for multiturn, so "
-        "the host holds 8 lanes' histories)",
+        "the host holds 8 lanes' histories; 32 with --storage, so SGLang's prefetch "
+        "budget, half the host pool, takes a whole burst)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -357,9 +394,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--start-timeout-s", type=float, default=900.0)
     p.add_argument(
         "--from-visits",
-        metavar="VISITS.jsonl",
-        help="run nothing: report an earlier run's visits (its workdir's visits.jsonl, "
-        "also of a run cut short), with the same options that described it",
+        metavar="VISITS.jsonl[,...]",
+        help="run nothing: report earlier runs' visits (each workdir's visits.jsonl, "
+        "also of a run cut short; several, comma-separated, pool their rounds), with "
+        "the same options that described them",
     )
     p.add_argument("--workdir", help="server and bench_serving logs (default: a temp dir)")
     p.add_argument("--out", metavar="FILE.jsonl", help="append one JSON object per invocation")

@@ -12,8 +12,11 @@ from .stats import Claim, paired_ratio, verdict
 from .summary import render
 
 Conf = tuple[str, float, Optional[int]]  # (arm, injected ms, lanes or None for gsp)
-# l1 and the bound run no HiCache collective: one visit per round stands for every latency.
-NO_LATENCY_ARMS = ("l1", "bound")
+# l1, the bound and the local reduce delay no HiCache collective: one visit per round
+# stands for every latency.
+NO_LATENCY_ARMS = ("l1", "bound", "local")
+ARM_ORDER = ("l1", "bound", "local", "stock", "plugin", "dedicated")
+LATENCY_ARMS = ("stock", "plugin", "dedicated")
 
 
 def configs(cfg: dict) -> list[Conf]:
@@ -22,7 +25,7 @@ def configs(cfg: dict) -> list[Conf]:
     for lanes in cfg["lanes"]:
         out += [(a, 0.0, lanes) for a in NO_LATENCY_ARMS if a in cfg["arms"]]
         for lat in cfg["latencies_ms"]:
-            out += [(a, lat, lanes) for a in ("stock", "plugin") if a in cfg["arms"]]
+            out += [(a, lat, lanes) for a in LATENCY_ARMS if a in cfg["arms"]]
     return out
 
 
@@ -34,13 +37,22 @@ def _ratio_specs(cfg: dict) -> list[tuple[str, Conf, Conf, Claim, float, Optiona
             specs.append(
                 ("bound / L1", ("bound", 0.0, lanes), ("l1", 0.0, lanes), Claim(0.98), 0.0, lanes)
             )
+        if {"local", "bound"} <= arms:  # what popping a step late costs, collective aside
+            local, bnd = ("local", 0.0, lanes), ("bound", 0.0, lanes)
+            specs.append(("local / bound", local, bnd, Claim(0.98), 0.0, lanes))
         for lat in cfg["latencies_ms"]:
             plugin, stock = ("plugin", lat, lanes), ("stock", lat, lanes)
+            dedicated, bnd = ("dedicated", lat, lanes), ("bound", 0.0, lanes)
             pairs = [
                 # At 0 ms the plugin must cost nothing; with latency it must beat stock.
                 ("plugin / stock", plugin, stock, Claim(1.0 if lat else 0.98)),
                 ("plugin / bound", plugin, ("bound", 0.0, lanes), Claim(0.98)),
                 ("plugin / L1", plugin, ("l1", 0.0, lanes), Claim(0.98)),
+                # what the real async collective costs beside the same step-late pop
+                ("plugin / local", plugin, ("local", 0.0, lanes), Claim(0.98)),
+                # the same reduce on a gloo group of its own (measurement device)
+                ("dedicated / bound", dedicated, bnd, Claim(0.98)),
+                ("dedicated / plugin", dedicated, plugin, Claim(1.0)),
                 ("stock / L1", stock, ("l1", 0.0, lanes), Claim(1.0, "<")),
             ]
             if lat and 0.0 in cfg["latencies_ms"]:
@@ -135,7 +147,7 @@ def arm_table(visits: list[dict], tp: int = 1) -> str:
         conf = (v["arm"], v["latency_ms"], v["lanes"])
         if conf not in seen:
             seen.append(conf)
-    seen.sort(key=lambda c: (c[2] or 0, c[1], ("l1", "bound", "stock", "plugin").index(c[0])))
+    seen.sort(key=lambda c: (c[2] or 0, c[1], ARM_ORDER.index(c[0])))
     for conf in seen:
         vs = [v for v in visits if (v["arm"], v["latency_ms"], v["lanes"]) == conf]
         tput = [v["output_throughput"] for v in vs if v["output_throughput"]]
@@ -173,7 +185,7 @@ def ratio_table(rows: list[dict]) -> str:
     head = ("ratio", "injected", "lanes", "rounds", "value [95% interval]", "claim", "verdict")
     out: list[tuple[str, ...]] = [head]
     for r in rows:
-        lat = "-" if r["ratio"] == "bound / L1" else f"{r['latency_ms']:g} ms"
+        lat = "-" if r["ratio"] in ("bound / L1", "local / bound") else f"{r['latency_ms']:g} ms"
         out.append(
             (
                 r["ratio"],
@@ -236,6 +248,12 @@ def print_report(cfg, visits, rows, load_start, load_end, wall_s, workdir: Path)
             "bound: every HiCache collective answered with the rank's own value; valid "
             "because on CPU without skew every rank's counts are equal."
         )
+    if "local" in cfg["arms"]:
+        print(
+            "local: the plugin a step late as usual, its reduces answered with the rank's "
+            "own value (valid as the bound is): local / bound is the step-late pop's cost, "
+            "plugin / local the real collective's."
+        )
 
 
 def draw_png(path: Path, cfg: dict, visits: list[dict], rows: list[dict]) -> None:
@@ -267,7 +285,14 @@ def draw_png(path: Path, cfg: dict, visits: list[dict], rows: list[dict]) -> Non
         ax.set_xlabel(f"concurrent lanes ({lat:g} ms injected)")
         ax.set_ylabel("throughput ratio (95% interval over rounds)")
     else:
-        arm_color = {"l1": "l1", "bound": "bound", "stock": "blocking", "plugin": "pipelined"}
+        arm_color = {
+            "l1": "l1",
+            "bound": "bound",
+            "local": "floor",
+            "stock": "blocking",
+            "plugin": "pipelined",
+            "dedicated": "pipelined",
+        }
         confs = configs(cfg)
         for i, conf in enumerate(confs):
             tput = [

@@ -39,26 +39,12 @@ def _stats(samples_s: list[float]) -> str:
     return f"min {us.min():7.2f} us  median {np.median(us):7.2f} us  (n={len(us)} batches)"
 
 
-class _Echo:
-    """A reduce every rank agreed on at once: what the step costs without gloo."""
-
-    __slots__ = ("values",)
-
-    def __init__(self, values):
-        self.values = values
-
-    def wait(self):
-        return self.values
-
-    def is_completed(self) -> bool:
-        return True
-
-
 def _sim_cache(arm: str):
     from ... import adapter
     from ...sim.cache import build_cache
+    from ...sim.collectives import EchoHandle
 
-    adapter.use_async_min(lambda base: lambda group: _Echo)
+    adapter.use_async_min(lambda base: lambda group: EchoHandle)
     adapter.world_size = lambda group: 2  # a profiling stand-in: no process group here
     sim = build_cache(tp_group=object(), tp_world_size=2, storage=True)
     if arm == "bound":

@@ -51,7 +51,11 @@ FIGURES = (
     ("storage_hit_share", "storage hits"),
     ("blocking_per_pass", "blocking coll/pass"),
     ("prefetches_per_pass", "prefetches/pass"),
+    ("prefetches_in_flight", "in flight (max)"),
+    ("prefetches_issued", "prefetches issued"),
+    ("declined_rate_limited", "declined: host full"),
 )
+COUNTED = ("prefetches_issued", "declined_rate_limited")  # per round, whole numbers
 
 
 def _fmt(v: Optional[float], spec: str) -> str:
@@ -76,6 +80,14 @@ def add_arguments(p) -> None:
                    help="the servers' prefetch_timeout_base (default: SGLang's, 1 s; on "
                    "2 cores most prefetches of a burst miss it, a longer one keeps "
                    "them waiting, and voted on, to the end)")  # fmt: skip
+
+
+STORAGE_HICACHE_RATIO = 32.0
+TOKENS_PER_WORD = 3.7  # the bundled tokenizer on these words, measured
+
+
+def burst_tokens(cfg: dict) -> float:
+    return cfg["storage_prompts"] * cfg["storage_prompt_words"] * TOKENS_PER_WORD
 
 
 def prompts(n: int, words: int, seed: int) -> list[str]:
@@ -177,6 +189,13 @@ def round_figures(replies: list[dict], wall: float, counts: dict) -> dict:
         "blocking_per_pass": counts.get("blocking", 0) / passes if passes else None,
         "prefetches_per_pass": counts.get("prefetches_voted", 0) / passes if passes else None,
         "prefetch_max": counts.get("prefetch_max", 0),
+        # over the passes that had one in flight: how many each of them decided on
+        "prefetches_in_flight": counts.get("prefetches_voted", 0) / counts["prefetch_passes"]
+        if counts.get("prefetch_passes")
+        else None,
+        # SGLang's own outcome counters (None on a release without them)
+        "prefetches_issued": counts.get("issued"),
+        "declined_rate_limited": counts.get("declined_rate_limited"),
     }
 
 
@@ -271,7 +290,14 @@ def arm_table(visits: list[dict]) -> str:
         for key, _ in FIGURES[1:]:
             values = [v["median"][key] for v in vs if v["median"].get(key) is not None]
             m = statistics.median(values) if values else None
-            cells.append(_pct(m, ".0f") if key == "storage_hit_share" else _fmt(m, ".2f"))
+            spec = ".0f" if key in COUNTED else ".2f"
+            if key == "storage_hit_share":
+                cells.append(_pct(m, ".0f"))
+            elif key == "prefetches_in_flight":
+                top = max((v["median"].get("prefetch_max") or 0 for v in vs), default=0)
+                cells.append(f"{_fmt(m, '.1f')} ({top:.0f})")
+            else:
+                cells.append(_fmt(m, spec))
         loads = [x for v in vs for x in (v["loadavg_start"][0], v["loadavg_end"][0])]
         ups = [v["startup_s"] for v in vs if v["startup_s"]]
         rows.append((
@@ -353,7 +379,7 @@ def draw_png(path: Path, visits: list[dict], title: str) -> None:
 
 
 def run(args) -> int:
-    from .arms import config_of, rounds_of
+    from .arms import config_of, load_visits, rounds_of
     from .server_report import ratio_table, ratios
 
     cfg = config_of(args) | {
@@ -364,17 +390,34 @@ def run(args) -> int:
     }
     if set(cfg["arms"]) - {"stock", "plugin"}:
         raise ToolError("--storage runs the stock and plugin arms only")
+    if args.hicache_ratio is None:
+        # SGLang lets prefetches occupy half the host pool and declines the rest ("host
+        # full": they recompute instead of waiting); at 4x the 512-token device pool a
+        # 24-prompt burst got 22 prefetches issued, 21 declined and 8% storage hits,
+        # at 32x all 24 issued, 100% hits, 23 in flight at once.
+        cfg["hicache_ratio"] = STORAGE_HICACHE_RATIO
+    budget = cfg["hicache_ratio"] * cfg["max_total_tokens"] / 2
+    if burst_tokens(cfg) > budget:
+        print(f"bench-server --storage: a burst of ~{burst_tokens(cfg):.0f} prompt tokens "
+              f"exceeds SGLang's prefetch budget ({budget:.0f} tokens, half the host pool): "
+              "expect prefetches declined (host full); raise --hicache-ratio",
+              file=sys.stderr)  # fmt: skip
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hicache-bench-storage-"))
     workdir.mkdir(parents=True, exist_ok=True)
     load_at_start, t0 = os.getloadavg(), time.monotonic()
-    visits = []
-    for rnd, order in enumerate(rounds_of(cfg)):
+    visits = load_visits(args.from_visits) if args.from_visits else []
+    if visits:  # report only: earlier runs' rounds, pooled
+        cfg["rounds"] = len({v["round"] for v in visits})
+        load_at_start = visits[0]["loadavg_start"]
+    for rnd, order in enumerate([] if visits else rounds_of(cfg)):
         for conf in order:
             visits.append(visit(cfg, conf, rnd, workdir, args.quiet))
             with open(workdir / "visits.jsonl", "a") as f:  # survives a failed later visit
                 f.write(json.dumps(visits[-1]) + "\n")
     rows = with_headline(ratios(cfg, visits))
     load_at_end, wall = os.getloadavg(), time.monotonic() - t0
+    if args.from_visits:
+        load_at_end, wall = visits[-1]["loadavg_end"], sum(v["wall_s"] for v in visits)
     print(f"hicache-async-ack bench-server --storage {args.storage} {__version__}: {title_of(cfg)}")
     print(f"host: {os.cpu_count()} CPUs, load average {load_at_start[0]:.2f} at start, "
           f"{load_at_end[0]:.2f} at end (other work on the box skews every figure); "

@@ -84,6 +84,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="measurement device: every HiCache collective answers with the rank's own "
         "value (the zero-sync bound; needs the plugin off, refused with skew or latency)",
     )
+    p.add_argument(
+        "--cpu-local-reduce",
+        action="store_true",
+        help="measurement device: the plugin pipelines as usual but its async reduces "
+        "answer with the rank's own value (the step-late pop without the collective; "
+        "needs the plugin on, refused with skew or latency)",
+    )
     # Hidden: the negative control of the e2e correctness checks, never a user's mode.
     p.add_argument(
         "--cpu-break-copies", metavar="|".join(BREAK_MODES), type=_break, help=argparse.SUPPRESS
@@ -116,11 +123,14 @@ def run(args) -> int:
     )
     if args.cpu_bound:
         env[bound.CPU_BOUND_VAR] = "1"
-        try:
-            bound.check(env)
-        except ValueError as exc:
-            print(f"hicache-async-ack cpu-server: {exc}", file=sys.stderr)
-            return 2
+    if args.cpu_local_reduce:
+        env[bound.CPU_LOCAL_REDUCE_VAR] = "1"
+    try:
+        bound.check(env)
+        bound.check_local(env)
+    except ValueError as exc:
+        print(f"hicache-async-ack cpu-server: {exc}", file=sys.stderr)
+        return 2
     shown = {k: env[k] for k in sorted(set(env) - set(os.environ) | {"PYTHONPATH"}) if k in env}
     print("hicache-async-ack cpu-server: CPU stand-ins (test support, never production):",
           file=sys.stderr)  # fmt: skip

@@ -118,6 +118,9 @@ class _Counts:
     """Per-process counts, written at most every 0.2 s (and so soon after a pass)."""
 
     FIELDS = ("passes", "blocking", "prefetch_passes", "prefetches_voted", "prefetch_max")
+    # SGLang's own cumulative prefetch outcomes (0.5.23's UnifiedRadixCache keeps
+    # them): why a request did or did not wait on its L3 prefetch
+    OUTCOMES = ("issued", "declined_rate_limited", "declined_too_short", "declined_device_covered")
 
     def __init__(self, root: Path):
         self.root = root
@@ -132,6 +135,11 @@ class _Counts:
             v["prefetches_voted"] += in_flight
             v["prefetch_max"] = max(v["prefetch_max"], in_flight)
         self._maybe_write()
+
+    def outcomes_seen(self, stats: dict) -> None:
+        for key in self.OUTCOMES:
+            if key in stats:
+                self.values[key] = int(stats[key])
 
     def collective_seen(self) -> None:
         self.values["blocking"] += 1
@@ -189,7 +197,11 @@ def _count_passes(module) -> None:
 
     @functools.wraps(real)
     def counted(self, *args, **kwargs):
-        ongoing = getattr(getattr(self, "tree_cache", None), "ongoing_prefetch", None)
+        cache = getattr(self, "tree_cache", None)
+        ongoing = getattr(cache, "ongoing_prefetch", None)
+        snapshot = getattr(cache, "prefetch_outcome_stats_snapshot", None)
+        if snapshot is not None:  # before pass_seen, which may write the counts
+            counts.outcomes_seen(snapshot())
         counts.pass_seen(len(ongoing) if ongoing else 0)
         return real(self, *args, **kwargs)
 
