@@ -19,12 +19,6 @@ WORKLOADS = ("gsp", "multiturn")
 # ~950 tokens with the bundled tokenizer) must fit one request's context, while 8
 # lanes' histories (~7,500 tokens) still spill to host
 MULTITURN_POOL = 2048
-# bound.py's start-up warnings, once per scheduler: the measurement device really ran
-MARKS = {
-    "bound": "ZERO-SYNC BOUND",
-    "local": "LOCAL PLUGIN REDUCE",
-    "dedicated": "DEDICATED REDUCE GROUP",
-}
 
 
 def arm_env(arm: str) -> dict[str, str]:
@@ -83,6 +77,8 @@ def check_arm(cfg: dict, arm: str, state: dict, server, name: str) -> None:
             f"{name}: {state['pipelined_ranks']} ranks pipelined, expected "
             f"{expected}; see {server.log_path}"
         )
+    from ..cpu_server.bound import MARKS
+
     log = server.log()
     for device, mark in MARKS.items():
         marks = log.count(mark)

@@ -54,6 +54,7 @@ logger = logging.getLogger("hicache_async_ack.cpu_server")
 # of a cpu-server answer with the rank's own value (the zero-sync bound, a
 # measurement device). Unset or false: real collectives. Read by the stand-ins only.
 CPU_BOUND_VAR = "HICACHE_ASYNC_ACK_CPU_BOUND"
+BOUND_MARK = "ZERO-SYNC BOUND"  # logged once per scheduler process
 
 # HICACHE_ASYNC_ACK_CPU_LOCAL_REDUCE: "1" (any true spelling) makes the plugin's
 # async reduces answer with the rank's own value (the step-late pop without the
@@ -64,9 +65,12 @@ LOCAL_MARK = "LOCAL PLUGIN REDUCE"  # logged once per scheduler process
 # HICACHE_ASYNC_ACK_CPU_DEDICATED_GROUP: "1" (any true spelling) puts the plugin's async
 # reduces on a gloo group of their own (a measurement device). Stand-ins only.
 CPU_DEDICATED_GROUP_VAR = "HICACHE_ASYNC_ACK_CPU_DEDICATED_GROUP"
-DEDICATED_MARK = "DEDICATED REDUCE GROUP"
+DEDICATED_MARK = "DEDICATED REDUCE GROUP"  # logged once per scheduler process
 DEDICATED_TIMEOUT_S = 600
 _DEDICATED: dict = {}  # "group": the process group, once SGLang's groups exist
+
+# bench-server arm -> the start-up mark its device logs (the arm really ran it)
+MARKS = {"bound": BOUND_MARK, "local": LOCAL_MARK, "dedicated": DEDICATED_MARK}
 
 STANDIN = (
     "zero-sync bound (only with --cpu-bound): every HiCache collective answers with the "
@@ -150,7 +154,7 @@ def _patch_unified_radix_cache(module) -> None:
         _own_value_attn_groups
     )
     cls._all_reduce = functools.wraps(cls._all_reduce)(_own_value)
-    logger.warning("cpu-server: ZERO-SYNC BOUND, HiCache collectives answer locally")
+    logger.warning("cpu-server: %s, HiCache collectives answer locally", BOUND_MARK)
 
 
 def _patch_cache_controller(module) -> None:
