@@ -16,7 +16,7 @@
 #   scripts/bench.sh --sweep [bench-server args]
 #       how the gain grows with the work: 4, 8, 16, 32 lanes at 3.2 ms, stock, plugin
 #       and the bound, 3 rounds, a plot of plugin/stock and plugin/bound: 36 server
-#       starts (~32 min on a quiet box: 2 rounds took 21 min)
+#       starts (37 min on a quiet box)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$(bash "$root/scripts/setup.sh")
