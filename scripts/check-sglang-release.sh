@@ -11,4 +11,4 @@ if [ $# -lt 1 ]; then
   exit 2
 fi
 venv=$(bash "$root/scripts/setup.sh")
-exec "$venv/bin/python" -m hicache_async_ack.tools.releases check "$@"
+exec "$venv/bin/python" -m hicache_async_ack_lab.releases check "$@"

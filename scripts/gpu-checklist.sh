@@ -4,7 +4,7 @@
 #
 #   scripts/gpu-checklist.sh --sglang-src ~/src/sglang [--model M] [--tp 2,4,8]
 #
-# On a checkout of SGLang patched with `hicache-async-ack upstream-patch` (the script
+# On a checkout of SGLang patched with `hicache-async-ack-lab upstream-patch` (the script
 # refuses an unpatched one), with this repository's plugin excluded:
 #   1. the patch's own tests (CPU, gloo);
 #   2. per TP size, one server per arm (blocking: SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC=0,
@@ -53,7 +53,7 @@ export PYTHONPATH="$SRC/python${PYTHONPATH:+:$PYTHONPATH}"
 MODULE="sglang.srt.mem_cache.unified_cache.hicache_ack_sync"
 if [[ "$DRY" != 1 ]]; then
     "$PY" -c "import $MODULE" 2>/dev/null || {
-        echo "$SRC is not patched ($MODULE missing): run hicache-async-ack upstream-patch --sglang-src $SRC | git -C $SRC apply" >&2
+        echo "$SRC is not patched ($MODULE missing): run hicache-async-ack-lab upstream-patch --sglang-src $SRC | git -C $SRC apply" >&2
         exit 1
     }
     nvidia-smi -L >/dev/null || { echo "no GPU visible (nvidia-smi -L failed)" >&2; exit 1; }

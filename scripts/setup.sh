@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create or reuse the project's venv outside the clone (~11 GB with SGLang's CUDA
-# wheels) and install this checkout into it with the test extra. Idempotent: with
+# wheels) and install this checkout into it: the plugin (pyproject.toml) and the
+# lab with its test extra (lab/pyproject.toml), both editable. Idempotent: with
 # everything present it only checks stamps (well under a second).
 #
 # The venv directory is keyed by the Python version and the heavy pins (sglang,
@@ -11,7 +12,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 py=${PYTHON:-python3}
-read -r pyver heavy_key deps_key < <("$py" - "$root/pyproject.toml" <<'PY'
+read -r pyver heavy_key deps_key < <("$py" - "$root/lab/pyproject.toml" <<'PY'
 import hashlib, re, sys
 text = open(sys.argv[1]).read()
 block = re.search(r"\[project\.optional-dependencies\](.*?)\n\[", text, re.S).group(1)
@@ -77,7 +78,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 if [ ! -f "$stamp" ]; then
   echo "setup: installing the test extra (first time with SGLang: several minutes)" >&2
-  if ! log=$(pip_q -e "$root[test]" 2>&1); then
+  if ! log=$(pip_q -e "$root" -e "$root/lab[test]" 2>&1); then
     echo "$log" >&2
     echo "setup: pip install failed (above); nothing was stamped" >&2
     exit 1
@@ -85,25 +86,29 @@ if [ ! -f "$stamp" ]; then
   "$venv/bin/python" -c "import sglang, pytest, ruff, mypy, matplotlib, hypothesis, numpy, tqdm"
   rm -f "$venv"/.deps-* && touch "$stamp"
 fi
-# Point the editable install (and so the sglang.srt.plugins entry point) at this
+# Point the editable installs (and so the sglang.srt.plugins entry point) at this
 # checkout; CI clones afresh each run.
 current=$("$venv/bin/python" - <<'PY' 2>/dev/null || true
 import importlib.util, os
-spec = importlib.util.find_spec("hicache_async_ack")
-print(os.path.dirname(os.path.dirname(os.path.dirname(spec.origin))) if spec else "")
+where = []
+for name in ("hicache_async_ack", "hicache_async_ack_lab"):
+    spec = importlib.util.find_spec(name)
+    where.append(os.path.dirname(os.path.dirname(spec.origin)) if spec else "")
+print(" ".join(where))
 PY
 )
-if [ "$current" != "$root" ]; then
+if [ "$current" != "$root/python $root/lab/python" ]; then
   echo "setup: installing this checkout ($root) into the venv" >&2
-  if ! log=$(pip_q --no-deps --no-build-isolation -e "$root" 2>&1); then
+  if ! log=$(pip_q --no-deps --no-build-isolation -e "$root" -e "$root/lab" 2>&1); then
     echo "$log" >&2
     echo "setup: installing the checkout failed (above)" >&2
     exit 1
   fi
 fi
-"$venv/bin/python" -c "import hicache_async_ack" || { echo "setup: install failed" >&2; exit 1; }
+"$venv/bin/python" -c "import hicache_async_ack, hicache_async_ack_lab" \
+  || { echo "setup: install failed" >&2; exit 1; }
 # The tiny model cpu-server and the end-to-end tests serve (built offline once, in
 # ~/.cache/hicache-async-ack; a no-op when present).
-"$venv/bin/python" -c "from hicache_async_ack.tools.cpu_server.model import ensure_model as m; m()" \
+"$venv/bin/python" -c "from hicache_async_ack_lab.cpu_server.model import ensure_model as m; m()" \
   || { echo "setup: building the tiny model failed" >&2; exit 1; }
 echo "$venv"

@@ -11,7 +11,7 @@
 #
 # Another release runs from an overlay: that wheel alone (pip install --no-deps
 # --target), cached outside the checkout and installed once (see
-# `python -m hicache_async_ack.tools.releases overlay`), put on PYTHONPATH over the
+# `python -m hicache_async_ack_lab.releases overlay`), put on PYTHONPATH over the
 # venv so that the ranks the tests spawn import it too. Prints how long each part
 # took and one closing count; exits non-zero if any part failed.
 set -euo pipefail
@@ -48,7 +48,7 @@ run_part() {  # run_part RELEASE [pytest args...]
   if [ "$release" != "$venv_release" ]; then
     what="release subset"
     tests=("${SUBSET[@]}")
-    if ! overlay=$("$py" -m hicache_async_ack.tools.releases overlay "$release"); then
+    if ! overlay=$("$py" -m hicache_async_ack_lab.releases overlay "$release"); then
       summary+=("sglang $release $what: FAILED (no overlay) in $((SECONDS - start)) s")
       failed=$((failed + 1))
       return
@@ -81,11 +81,11 @@ elif [ $# -gt 0 ]; then
   run_part "$venv_release" "$@"
 else
   # Every overlay first: the upstream-patch test applies the patch to each release.
-  for release in $("$py" -m hicache_async_ack.tools.releases tested); do
-    [ "$release" = "$venv_release" ] || "$py" -m hicache_async_ack.tools.releases overlay "$release" >/dev/null
+  for release in $("$py" -m hicache_async_ack_lab.releases tested); do
+    [ "$release" = "$venv_release" ] || "$py" -m hicache_async_ack_lab.releases overlay "$release" >/dev/null
   done
   run_part "$venv_release"
-  for release in $("$py" -m hicache_async_ack.tools.releases tested); do
+  for release in $("$py" -m hicache_async_ack_lab.releases tested); do
     [ "$release" = "$venv_release" ] || run_part "$release"
   done
 fi

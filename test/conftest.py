@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hicache_async_ack.env import ENABLE_VAR
-from hicache_async_ack.sim.collectives import FakeGroup, MinHub
+from hicache_async_ack_lab.sim.collectives import FakeGroup, MinHub
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +45,7 @@ def make_cache(plugin, hub, monkeypatch):
     """Build a real UnifiedRadixCache on a SimController and run the plugin's
     init_hicache hook on it (what SGLang does at server start)."""
     from hicache_async_ack.features import ack_sync
-    from hicache_async_ack.sim.cache import build_cache
+    from hicache_async_ack_lab.sim.cache import build_cache
 
     def make(tp: int = 2, env: dict | None = None, **kwargs):
         for k, v in (env or {}).items():

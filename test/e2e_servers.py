@@ -19,8 +19,8 @@ from typing import Iterator, Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache_async_ack.env import ENABLE_VAR
-from hicache_async_ack.tools.cpu_server import Server
-from hicache_async_ack.tools.cpu_server.model import VOCAB_SIZE
+from hicache_async_ack_lab.cpu_server import Server
+from hicache_async_ack_lab.cpu_server.model import VOCAB_SIZE
 
 # Device pool 512 tokens, host pool 4x: ten ~110-token prompts overflow the
 # device, so early prefixes are evicted to host and loaded back when re-sent.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hicache_async_ack.tools.ranks import Job, RanksFailed, run_fresh
 
-SCENARIOS = "hicache_async_ack.testing.scenarios:run_specs"
+SCENARIOS = "hicache_async_ack_lab.testing.scenarios:run_specs"
 
 
 def scenario_job(

@@ -1,4 +1,4 @@
-"""Checks on a patched SGLang tree (``hicache-async-ack upstream-patch``), with
+"""Checks on a patched SGLang tree (``hicache-async-ack-lab upstream-patch``), with
 the plugin not loaded. Not collected by the suite (the file name does not
 match ``test_*.py``): test_upstream_patch.py runs it with ``python -m pytest``
 in a fresh interpreter whose PYTHONPATH puts the patched tree first and whose
@@ -25,9 +25,9 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from hicache_async_ack.env import PLUGINS_VAR
 from hicache_async_ack.features.ack_sync import STORAGE_QUEUES
-from hicache_async_ack.sim.cache import build_cache
-from hicache_async_ack.sim.collectives import FakeGroup
-from hicache_async_ack.testing.scenarios import attach_in_tree
+from hicache_async_ack_lab.sim.cache import build_cache
+from hicache_async_ack_lab.sim.collectives import FakeGroup
+from hicache_async_ack_lab.testing.scenarios import attach_in_tree
 
 MODULE = "sglang.srt.mem_cache.unified_cache.hicache_ack_sync"
 intree = importlib.import_module(MODULE)  # ImportError: not a patched tree

@@ -164,7 +164,7 @@ def capture_slow(tmp: Path, data: Path = DATA) -> None:
 
 def inert_server(tmp: Path, name: str = "capture-inert"):
     """A plugin server whose version guard keeps the plugin inert (not started)."""
-    from hicache_async_ack.tools.cpu_server import Server
+    from hicache_async_ack_lab.cpu_server import Server
 
     from e2e_servers import BASE_ARGS, START_TIMEOUT_S
 
@@ -193,7 +193,7 @@ def capture_inert(tmp: Path, data: Path = DATA) -> None:
 def capture_mixed(tmp: Path, data: Path = DATA, limit_s: float = 900.0) -> None:
     """Two nodes, node 1 with the plugin disabled: scrape both every half second
     until both have exited; the last HiCache exposition of each is recorded."""
-    from hicache_async_ack.tools.cpu_server import Server, free_port
+    from hicache_async_ack_lab.cpu_server import Server, free_port
 
     from e2e_servers import BASE_ARGS, STOCK_ENV
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR, PLUGINS_VAR
-from hicache_async_ack.testing.checks import assert_symmetric_and_complete
+from hicache_async_ack_lab.testing.checks import assert_symmetric_and_complete
 
 from gloo_ranks import run_fresh, scenario_job
 

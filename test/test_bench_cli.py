@@ -1,4 +1,4 @@
-"""End-to-end tests of ``hicache-async-ack bench`` and ``doctor`` (subprocesses,
+"""End-to-end tests of ``hicache-async-ack-lab bench`` and ``doctor`` (subprocesses,
 real gloo on loopback, SGLang's real loader). No timing assertions: this box's
 numbers are whatever they are; only shape, exit codes and correctness."""
 
@@ -38,8 +38,10 @@ def _env(**extra):
 
 
 def _start(args, cwd, **env):
+    # doctor is the runtime wheel's command; bench the lab's
+    module = "hicache_async_ack" if args[0] == "doctor" else "hicache_async_ack_lab"
     return subprocess.Popen(
-        [sys.executable, "-m", "hicache_async_ack", *args],
+        [sys.executable, "-m", module, *args],
         cwd=cwd,
         env=_env(**env),
         stdout=subprocess.PIPE,

@@ -1,4 +1,4 @@
-"""``hicache-async-ack bench-server``: its rounds, statistics, refusals and records (fast),
+"""``hicache-async-ack-lab bench-server``: its rounds, statistics, refusals and records (fast),
 and short real runs against SGLang's real server (e2e)."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import types
 import pytest
 
 from hicache_async_ack.env import ENABLE_VAR
-from hicache_async_ack.tools.bench import multiturn, server_report, stats
-from hicache_async_ack.tools.cli import build_parser
-from hicache_async_ack.tools.cpu_server import bound
-from hicache_async_ack.tools.cpu_server.settings import CPU_REDUCE_LATENCY_VAR, CPU_SKEW_VAR
+from hicache_async_ack_lab.bench import multiturn, server_report, stats
+from hicache_async_ack_lab.cli import build_parser
+from hicache_async_ack_lab.cpu_server import bound
+from hicache_async_ack_lab.cpu_server.settings import CPU_REDUCE_LATENCY_VAR, CPU_SKEW_VAR
 
 # --- rounds ------------------------------------------------------------------------
 
@@ -268,7 +268,7 @@ def test_without_the_variable_the_collectives_are_untouched(monkeypatch):
 def test_cpu_server_refuses_the_bound_with_the_plugin_on_and_accepts_it_off():
     import os
 
-    base = [sys.executable, "-m", "hicache_async_ack", "cpu-server", "--tp", "2",
+    base = [sys.executable, "-m", "hicache_async_ack_lab", "cpu-server", "--tp", "2",
             "--cpu-bound", "--cpu-print-command"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != ENABLE_VAR}
     on = subprocess.run(base, capture_output=True, text=True, timeout=120, env=env)
@@ -328,7 +328,7 @@ def test_the_local_reduce_answers_the_plugins_reduces_with_the_ranks_own_value(m
 def test_cpu_server_refuses_the_local_reduce_with_the_plugin_off():
     import os
 
-    base = [sys.executable, "-m", "hicache_async_ack", "cpu-server", "--tp", "2",
+    base = [sys.executable, "-m", "hicache_async_ack_lab", "cpu-server", "--tp", "2",
             "--cpu-local-reduce", "--cpu-print-command"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != ENABLE_VAR}
     off = subprocess.run(base, capture_output=True, text=True, timeout=120,
@@ -413,7 +413,7 @@ def test_host_share_reads_the_cache_report():
 
 def _bench(tmp_path, *argv: str) -> tuple[dict, str]:
     out = tmp_path / "server.jsonl"
-    cmd = [sys.executable, "-m", "hicache_async_ack", "bench-server", *argv,
+    cmd = [sys.executable, "-m", "hicache_async_ack_lab", "bench-server", *argv,
            "--out", str(out), "--png", str(tmp_path / "server.png"),
            "--workdir", str(tmp_path / "work"), "--quiet"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=2400)
@@ -469,9 +469,9 @@ def test_the_quick_default_workload_on_the_real_server(tmp_path):
 
 
 def test_a_failed_server_start_is_retried_then_reported(monkeypatch):
-    from hicache_async_ack.tools.bench import server as bench_server
-    from hicache_async_ack.tools.cpu_server import ServerFailed
     from hicache_async_ack.tools.options import ToolError
+    from hicache_async_ack_lab.bench import server as bench_server
+    from hicache_async_ack_lab.cpu_server import ServerFailed
 
     monkeypatch.setattr(bench_server, "START_RETRY_S", 0.0)
 
@@ -491,7 +491,7 @@ def test_a_failed_server_start_is_retried_then_reported(monkeypatch):
 
 
 def test_an_earlier_runs_visits_are_reported_without_running_anything(tmp_path, capsys):
-    from hicache_async_ack.tools.bench import server as bench_server
+    from hicache_async_ack_lab.bench import server as bench_server
 
     visits = _visits({("l1", 0.0): [60.0, 66.0], ("bound", 0.0): [80.0, 90.0],
                       ("stock", 3.2): [50.0, 52.0], ("plugin", 3.2): [75.0, 92.0]})  # fmt: skip
@@ -521,8 +521,8 @@ def test_an_earlier_runs_visits_are_reported_without_running_anything(tmp_path, 
 
 
 def test_earlier_runs_pool_their_rounds_without_pairing_across_runs(tmp_path):
-    from hicache_async_ack.tools.bench.arms import load_visits
     from hicache_async_ack.tools.options import ToolError
+    from hicache_async_ack_lab.bench.arms import load_visits
 
     files = []
     for run, rounds in (("a", 2), ("b", 3)):

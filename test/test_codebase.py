@@ -1,6 +1,7 @@
-"""The package's shape stays what docs/design.md says: no import cycle, no private
-name used across modules, no module over MAX_LINES lines (read from the sources,
-nothing imported)."""
+"""The packages' shape stays what docs/design.md says: no import cycle, no private
+name used across modules, no module over MAX_LINES lines, and the runtime package
+(what GPU nodes load) imports nothing from the lab (read from the sources, nothing
+imported)."""
 
 from __future__ import annotations
 
@@ -9,24 +10,31 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "python" / "hicache_async_ack"
+ROOT = Path(__file__).resolve().parent.parent
+RUNTIME, LAB = "hicache_async_ack", "hicache_async_ack_lab"
+PACKAGES = {RUNTIME: ROOT / "python" / RUNTIME, LAB: ROOT / "lab" / "python" / LAB}
 MAX_LINES = 450
 # Written for SGLang, shipped as data (the in-tree form): not modules of this package.
-EXCLUDED = ("tools/intree/files/",)
+EXCLUDED = ("intree/files/",)
 
 
-def modules() -> dict[str, Path]:
-    out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE).as_posix()
+def package_modules(name: str) -> dict[str, Path]:
+    package, out = PACKAGES[name], {}
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
         if any(rel.startswith(e) for e in EXCLUDED):
             continue
-        parts = ["hicache_async_ack", *rel[:-3].split("/")]
+        parts = [name, *rel[:-3].split("/")]
         if parts[-1] == "__init__":
             parts.pop()
         out[".".join(parts)] = path
-    assert len(out) > 20, "the package was not found"
+    assert len(out) > 10, f"the package {name} was not found"
     return out
+
+
+def modules() -> dict[str, Path]:
+    """Every module of both packages (they form one import graph)."""
+    return {m: p for name in PACKAGES for m, p in package_modules(name).items()}
 
 
 def resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
@@ -157,6 +165,42 @@ def test_no_private_attribute_of_another_module():
     mods = modules()
     found = [u for m, p in mods.items() for u in private_attribute_uses(m, p, mods)]
     assert found == []
+
+
+def lab_imports(mods: dict[str, Path]) -> list[str]:
+    """Every import of the lab by a runtime module, at any depth."""
+    return [
+        f"{m}:{line} imports {target}"
+        for m, path in mods.items()
+        if m.split(".")[0] == RUNTIME
+        for target, _, line in imports(m, path)
+        if target.split(".")[0] == LAB
+    ]
+
+
+def test_the_runtime_imports_nothing_from_the_lab():
+    runtime = package_modules(RUNTIME)
+    assert (
+        "hicache_async_ack.sglang_plugin" in runtime and "hicache_async_ack.tools.doctor" in runtime
+    )
+    assert lab_imports(runtime) == []
+
+
+def test_the_boundary_check_finds_a_lab_import(tmp_path):
+    """Negative control: a runtime module with a function-level lab import."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from hicache_async_ack_lab.sim import cache\n")
+    assert lab_imports({"hicache_async_ack.bad": bad}) == [
+        "hicache_async_ack.bad:2 imports hicache_async_ack_lab.sim"
+    ]
+
+
+def test_the_lab_imports_the_runtime():
+    """The graph really spans both packages (else the boundary check reads nothing)."""
+    edges = graph()
+    assert any(
+        m.startswith(LAB) and any(t.split(".")[0] == RUNTIME for t in ts) for m, ts in edges.items()
+    )
 
 
 @pytest.mark.parametrize("limit", [MAX_LINES])

@@ -17,8 +17,8 @@ from hicache_async_ack.core import (
     Stamp,
     still_queued,
 )
-from hicache_async_ack.sim.clock import ModelClock, modelled
-from hicache_async_ack.sim.collectives import MinHub
+from hicache_async_ack_lab.sim.clock import ModelClock, modelled
+from hicache_async_ack_lab.sim.collectives import MinHub
 
 
 class Ref:
@@ -33,7 +33,7 @@ class Ref:
 def test_core_imports_without_sglang():
     code = (
         "import sys, hicache_async_ack.core, hicache_async_ack.env,"
-        " hicache_async_ack.sim.collectives;"
+        " hicache_async_ack_lab.sim.collectives;"
         "assert not any(m.startswith('sglang') for m in sys.modules), 'sglang imported';"
         "assert 'torch' not in sys.modules"
     )

@@ -10,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from hicache_async_ack.tools import cpu_server
-from hicache_async_ack.tools.cpu_server import model, standins
-from hicache_async_ack.tools.cpu_server.settings import (
+from hicache_async_ack_lab import cpu_server
+from hicache_async_ack_lab.cpu_server import model, standins
+from hicache_async_ack_lab.cpu_server.settings import (
     BREAK_MODES,
     CPU_BREAK_COPIES_VAR,
     CPU_REDUCE_LATENCY_VAR,
@@ -155,7 +155,7 @@ def test_callers_arguments_come_after_the_defaults(tmp_path):
 
 def test_cli_prints_the_command_and_lists_the_stand_ins():
     proc = subprocess.run(
-        [sys.executable, "-m", "hicache_async_ack", "cpu-server", "--tp", "2",
+        [sys.executable, "-m", "hicache_async_ack_lab", "cpu-server", "--tp", "2",
          "--cpu-skew", "0,3", "--cpu-print-command"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -164,12 +164,12 @@ def test_cli_prints_the_command_and_lists_the_stand_ins():
         assert name in proc.stderr
     assert "sglang.launch_server" in proc.stderr and "--tp 2" in proc.stderr
     bad = subprocess.run(
-        [sys.executable, "-m", "hicache_async_ack", "cpu-server", "--cpu-skew", "x"],
+        [sys.executable, "-m", "hicache_async_ack_lab", "cpu-server", "--cpu-skew", "x"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2 and "e.g. '0,3'" in bad.stderr
     weights = subprocess.run(
-        [sys.executable, "-m", "hicache_async_ack", "cpu-server", "--cpu-weights", "random"],
+        [sys.executable, "-m", "hicache_async_ack_lab", "cpu-server", "--cpu-weights", "random"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert weights.returncode == 2 and "'seeded', 'dummy'" in weights.stderr

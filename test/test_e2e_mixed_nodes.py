@@ -12,7 +12,7 @@ import time
 import pytest
 
 from hicache_async_ack.env import PREFETCH_VOTES_VAR
-from hicache_async_ack.tools.cpu_server import Server, free_port
+from hicache_async_ack_lab.cpu_server import Server, free_port
 
 from e2e_servers import BASE_ARGS, START_TIMEOUT_S, STOCK_ENV
 

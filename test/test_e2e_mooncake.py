@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 
 from hicache_async_ack.env import ENABLE_VAR
-from hicache_async_ack.tools.cpu_server import free_port
-from hicache_async_ack.tools.cpu_server.mooncake import Mooncake, MooncakeServer
-from hicache_async_ack.tools.cpu_server.mooncake_standins import COUNT_DIR_VAR, read_counts
-from hicache_async_ack.tools.cpu_server.netns import only_loopback
+from hicache_async_ack_lab.cpu_server import free_port
+from hicache_async_ack_lab.cpu_server.mooncake import Mooncake, MooncakeServer
+from hicache_async_ack_lab.cpu_server.mooncake_standins import COUNT_DIR_VAR, read_counts
+from hicache_async_ack_lab.cpu_server.netns import only_loopback
 
 from e2e_servers import (
     BASE_ARGS,
@@ -543,7 +543,7 @@ def test_negative_control_broken_copies_fail_the_mooncake_comparison(workdir):
     """A server whose page_first_direct copies are broken on purpose (K and V swapped
     on the way to host, so in what Mooncake stores): the comparison the tests above
     pass must report mismatches here, or it could not see a wrong restore."""
-    from hicache_async_ack.tools.cpu_server.settings import CPU_BREAK_COPIES_VAR
+    from hicache_async_ack_lab.cpu_server.settings import CPU_BREAK_COPIES_VAR
 
     with Mooncake(workdir / "master-broken") as mc:
         server = MooncakeServer(
@@ -569,7 +569,7 @@ def _storage_bench(tmp_path: Path, *argv: str) -> dict:
     import sys
 
     out = tmp_path / "storage.jsonl"
-    cmd = [sys.executable, "-m", "hicache_async_ack", "bench-server", "--storage", "mooncake",
+    cmd = [sys.executable, "-m", "hicache_async_ack_lab", "bench-server", "--storage", "mooncake",
            "--arms", "plugin", "--latency-ms", "0", "--rounds", "1", "--runs", "1", *argv,
            "--out", str(out), "--png", str(tmp_path / "storage.png"),
            "--workdir", str(tmp_path / "work"), "--quiet"]  # fmt: skip

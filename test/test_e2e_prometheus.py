@@ -31,7 +31,7 @@ from typing import Iterator
 import pytest
 import yaml
 
-from hicache_async_ack.tools.cpu_server import free_port
+from hicache_async_ack_lab.cpu_server import free_port
 
 from e2e_servers import STOCK_ENV, prompts, start
 from monitoring_capture import TEXT_ACCEPT, record, storage

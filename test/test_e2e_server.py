@@ -1,6 +1,6 @@
 """End to end on SGLang's real server: plugin and stock side by side at TP=2.
 
-Both servers run `hicache-async-ack cpu-server` (SGLang's launch_server, real
+Both servers run `hicache-async-ack-lab cpu-server` (SGLang's launch_server, real
 scheduler loop, cache controller, host pool and HTTP API) with write-through,
 the overlap loop, a file storage backend and skewed acks (rank 1's finish
 events report done three polls after rank 0's, as on a GPU host), and are
@@ -85,7 +85,7 @@ def test_answers_match_a_reference_forward_of_the_same_weights(sequences):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hicache_async_ack.tools.cpu_server.model import ensure_model
+    from hicache_async_ack_lab.cpu_server.model import ensure_model
 
     path = str(ensure_model())
     tok = AutoTokenizer.from_pretrained(path)

@@ -12,7 +12,7 @@ import isort
 import pytest
 
 from hicache_async_ack import env, stamp
-from hicache_async_ack.tools.intree import doc_edit, edits, module
+from hicache_async_ack_lab.intree import doc_edit, edits, module
 
 ADDED = (module.MODULE_PATH, *module.TEST_PATHS)
 FORBIDDEN = re.compile(r"hicache_async_ack|hicache-async-ack|[Pp]lugin|[Uu]pstream|protocol")

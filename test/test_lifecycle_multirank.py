@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR
-from hicache_async_ack.testing.checks import assert_symmetric_and_complete
-from hicache_async_ack.testing.scenarios import ACK_KINDS, LOCAL_DRAIN_EVENTS
+from hicache_async_ack_lab.testing.checks import assert_symmetric_and_complete
+from hicache_async_ack_lab.testing.scenarios import ACK_KINDS, LOCAL_DRAIN_EVENTS
 
 from gloo_ranks import run_scenarios
 

@@ -232,7 +232,7 @@ def test_an_inert_plugin_registers_only_the_path_info_hook(monkeypatch):
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     from hicache_async_ack.guard import CACHE_CLASS
-    from hicache_async_ack.testing.drift import drifted
+    from hicache_async_ack_lab.testing.drift import drifted
 
     monkeypatch.setattr(
         UnifiedRadixCache,

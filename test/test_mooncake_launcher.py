@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hicache_async_ack.tools.cpu_server import mooncake, mooncake_standins
-from hicache_async_ack.tools.cpu_server.mooncake import CONFIG_PATH_VAR, Mooncake
-from hicache_async_ack.tools.cpu_server.netns import NetNamespace, interfaces, only_loopback
-from hicache_async_ack.tools.cpu_server.settings import server_env
+from hicache_async_ack_lab.cpu_server import mooncake, mooncake_standins
+from hicache_async_ack_lab.cpu_server.mooncake import CONFIG_PATH_VAR, Mooncake
+from hicache_async_ack_lab.cpu_server.netns import NetNamespace, interfaces, only_loopback
+from hicache_async_ack_lab.cpu_server.settings import server_env
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="a network namespace needs root")
 
@@ -291,7 +291,7 @@ def test_ops_bound_into_the_host_pool_module_only_where_missing(monkeypatch):
 
 
 def test_registered_with_cpu_servers_patches():
-    from hicache_async_ack.tools.cpu_server import standins
+    from hicache_async_ack_lab.cpu_server import standins
 
     assert "sglang.srt.mem_cache.storage.mooncake_store.mooncake_store" in standins.PATCHES
     assert "mooncake host layout" in standins.STANDINS
@@ -320,7 +320,7 @@ def test_counts_written_per_rank_and_read_back(tmp_path, monkeypatch):
 
 
 def test_storage_round_figures_and_headline():
-    from hicache_async_ack.tools.bench import storage
+    from hicache_async_ack_lab.bench import storage
 
     replies = [
         {"ttft_s": 0.1 * (i + 1), "latency_s": 1.0,
@@ -346,7 +346,7 @@ def test_storage_round_figures_and_headline():
 
 
 def test_storage_mode_is_a_bench_server_option():
-    from hicache_async_ack.tools.cli import build_parser
+    from hicache_async_ack_lab.cli import build_parser
 
     args = build_parser().parse_args(["bench-server", "--storage", "mooncake"])
     assert args.storage == "mooncake" and args.storage_prompts > 1

@@ -16,8 +16,8 @@ import pytest
 
 from hicache_async_ack import metrics as ack_metrics
 from hicache_async_ack.env import DEPTH_VAR
-from hicache_async_ack.testing.checks import assert_symmetric_and_complete
-from hicache_async_ack.testing.scenarios import ACK_KINDS
+from hicache_async_ack_lab.testing.checks import assert_symmetric_and_complete
+from hicache_async_ack_lab.testing.scenarios import ACK_KINDS
 
 from gloo_ranks import run_fresh, scenario_job
 

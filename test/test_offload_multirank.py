@@ -16,7 +16,7 @@ from hicache_async_ack.tools.ranks import Job, RanksFailed, run_fresh
 
 WORLD = 4
 GROUP_TIMEOUT = 15.0
-TARGET = "hicache_async_ack.testing.offload_scenarios:run_offload_specs"
+TARGET = "hicache_async_ack_lab.testing.offload_scenarios:run_offload_specs"
 OFF = {OFFLOAD_SYNC_VAR: "0"}
 SPECS = [
     dict(name="stock", seed=4, steps=150, env=OFF),

@@ -9,8 +9,8 @@ import torch.distributed
 from hicache_async_ack.core import HiCacheAckSyncMismatch
 from hicache_async_ack.env import OFFLOAD_SYNC_VAR
 from hicache_async_ack.features import decode_offload as offload_sync
-from hicache_async_ack.sim.collectives import FakeGroup
-from hicache_async_ack.sim.offload import build_manager
+from hicache_async_ack_lab.sim.collectives import FakeGroup
+from hicache_async_ack_lab.sim.offload import build_manager
 
 
 @pytest.fixture

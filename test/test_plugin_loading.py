@@ -23,7 +23,7 @@ PROBE = textwrap.dedent(
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(message)s")
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache as C
     if os.environ.get("{DRIFT}"):  # an SGLang whose method returns one more field
-        from hicache_async_ack.testing.drift import drift_method
+        from hicache_async_ack_lab.testing.drift import drift_method
         drift_method(C, os.environ["{DRIFT}"])
     from sglang.srt.plugins import load_plugins
     load_plugins()

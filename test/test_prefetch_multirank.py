@@ -19,7 +19,7 @@ from hicache_async_ack.tools.ranks import Job, RanksFailed, run_fresh
 
 WORLD = 4
 GROUP_TIMEOUT = 20.0
-TARGET = "hicache_async_ack.testing.prefetch_scenarios:run_prefetch_specs"
+TARGET = "hicache_async_ack_lab.testing.prefetch_scenarios:run_prefetch_specs"
 OFF = {PREFETCH_VOTES_VAR: "0"}
 SPECS = [
     dict(name="stock", seed=3, passes=120, check_all=True, env=OFF),

@@ -19,7 +19,7 @@ from hicache_async_ack.tools.ranks import Job, RanksFailed, run_fresh
 
 WORLD = 4
 GROUP_TIMEOUT = 20.0
-TARGET = "hicache_async_ack.testing.prefetch_scenarios:run_prefetch_specs"
+TARGET = "hicache_async_ack_lab.testing.prefetch_scenarios:run_prefetch_specs"
 SKEW = [
     # deadlines that come due while the skewed rank's loop misses requests
     dict(name="skew_rank1", seed=21, passes=150, skew={"1": 10}),

@@ -13,9 +13,9 @@ import torch
 from hicache_async_ack import adapter, guard, votes
 from hicache_async_ack.env import ENABLE_VAR, PREFETCH_VOTES_VAR
 from hicache_async_ack.features import prefetch_votes
-from hicache_async_ack.sim.collectives import MinHub
-from hicache_async_ack.sim.prefetch import add_prefetch
 from hicache_async_ack.votes import HEADER, LAYOUT, PrefetchVoteMismatch
+from hicache_async_ack_lab.sim.collectives import MinHub
+from hicache_async_ack_lab.sim.prefetch import add_prefetch
 
 NO_ACK_SYNC = {ENABLE_VAR: "0"}  # keep the ack reduce out of these hubs (hooks stay)
 
@@ -269,7 +269,7 @@ def test_window_covers_every_operation_when_there_are_more_than_slots():
 
 
 def test_attention_cp_x_tp_stands_down(make_cache, plugin, this_release):
-    from hicache_async_ack.sim.collectives import FakeGroup
+    from hicache_async_ack_lab.sim.collectives import FakeGroup
 
     sim = make_cache(
         tp=4, storage=True, attn_cp_group=FakeGroup(2, "cp"), attn_tp_group=FakeGroup(2, "atp")

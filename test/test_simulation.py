@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 
 from hicache_async_ack import adapter, core
 from hicache_async_ack.env import DEPTH_VAR
-from hicache_async_ack.sim.clock import ModelClock, modelled
-from hicache_async_ack.sim.collectives import MinHub
-from hicache_async_ack.testing import scenarios
-from hicache_async_ack.testing.scenarios import (
+from hicache_async_ack_lab.sim.clock import ModelClock, modelled
+from hicache_async_ack_lab.sim.collectives import MinHub
+from hicache_async_ack_lab.testing import scenarios
+from hicache_async_ack_lab.testing.scenarios import (
     ACK_KINDS,
     COLLECTIVE_EVENTS,
     EVENTS,

@@ -7,7 +7,7 @@ import pytest
 from hicache_async_ack.core import PROTOCOL_VERSION, HiCacheAckSyncError, Stamp
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR
 from hicache_async_ack.features import ack_sync
-from hicache_async_ack.sim.collectives import FakeGroup
+from hicache_async_ack_lab.sim.collectives import FakeGroup
 
 
 def DONE():
@@ -220,7 +220,7 @@ def test_eligibility_rules(make_cache, plugin, monkeypatch, kwargs, changes, pip
 def test_subclass_overriding_check_hicache_events_stays_blocking(plugin, hub):
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    from hicache_async_ack.sim.cache import build_cache
+    from hicache_async_ack_lab.sim.cache import build_cache
 
     class Custom(UnifiedRadixCache):
         def check_hicache_events(self):

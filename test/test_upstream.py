@@ -18,13 +18,14 @@ from hicache_async_ack import guard as upstream
 from hicache_async_ack.env import ALLOW_UNTESTED_VAR, ENABLE_VAR
 from hicache_async_ack.fingerprint import fingerprint_function
 from hicache_async_ack.guard import TARGETS, check_installed
-from hicache_async_ack.testing.drift import (
+from hicache_async_ack.tools import doctor
+from hicache_async_ack_lab import releases
+from hicache_async_ack_lab.testing.drift import (
     drifted,
     drifted_module_source,
     extra_return_field,
     renamed_last_param,
 )
-from hicache_async_ack.tools import doctor, releases
 
 ROOT = Path(__file__).resolve().parents[1]
 SYNC = "_sync_hicache_ready_counts"

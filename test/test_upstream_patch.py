@@ -1,4 +1,4 @@
-"""``hicache-async-ack upstream-patch``: the in-tree form, proven by the same suites.
+"""``hicache-async-ack-lab upstream-patch``: the in-tree form, proven by the same suites.
 
 For every SGLang release whose source is here (the installed one; the
 per-release test overlays of tools/releases.py when present) the patch generated
@@ -31,15 +31,15 @@ import isort
 import pytest
 
 from hicache_async_ack.env import ALLOW_UNTESTED_VAR, DEPTH_VAR, ENABLE_VAR, PLUGINS_VAR
-from hicache_async_ack.testing.checks import assert_lagged_equal, assert_symmetric_and_complete
-from hicache_async_ack.testing.scenarios import ACK_KINDS, LOCAL_DRAIN_EVENTS
-from hicache_async_ack.tools import cli
-from hicache_async_ack.tools.intree import module as files
-from hicache_async_ack.tools.intree import unidiff
-from hicache_async_ack.tools.intree.doc_edit import DOC_PATH
-from hicache_async_ack.tools.intree.edits import CACHE_PATH, ENVIRON_PATH
-from hicache_async_ack.tools.releases import cache_root
-from hicache_async_ack.tools.upstream_patch import Tree, generate, installed_root
+from hicache_async_ack_lab import cli
+from hicache_async_ack_lab.intree import module as files
+from hicache_async_ack_lab.intree import unidiff
+from hicache_async_ack_lab.intree.doc_edit import DOC_PATH
+from hicache_async_ack_lab.intree.edits import CACHE_PATH, ENVIRON_PATH
+from hicache_async_ack_lab.releases import cache_root
+from hicache_async_ack_lab.testing.checks import assert_lagged_equal, assert_symmetric_and_complete
+from hicache_async_ack_lab.testing.scenarios import ACK_KINDS, LOCAL_DRAIN_EVENTS
+from hicache_async_ack_lab.upstream_patch import Tree, generate, installed_root
 
 from gloo_ranks import run_fresh, scenario_job
 
@@ -276,8 +276,8 @@ def test_the_repo_stores_none_of_sglangs_text():
                 s.strip() for s in lines[fn.lineno : fn.end_lineno] if len(s.strip()) >= 30
             }
     assert len(upstream) > 10  # the check has something to look for
-    ours = [*(REPO / "python/hicache_async_ack/tools/intree").rglob("*.py")]
-    ours += [REPO / "python/hicache_async_ack/tools/upstream_patch.py"]
+    ours = [*(REPO / "lab/python/hicache_async_ack_lab/intree").rglob("*.py")]
+    ours += [REPO / "lab/python/hicache_async_ack_lab/upstream_patch.py"]
     ours += [p for p in [REPO / "docs/upstream-patch.md"] if p.exists()]
     for path in ours:
         text = path.read_text()
@@ -689,7 +689,7 @@ def test_a_plugin_node_beside_a_patched_tree_node_both_stop_naming_the_mix(
     envs = [intree_env, _env(release[0], exclude_plugin=False)]
     outs = [tmp_path / f"rank{rank}.json" for rank in range(len(envs))]
     logs = [tmp_path / f"rank{rank}.log" for rank in range(len(envs))]
-    module = "hicache_async_ack.testing.mixed_node"
+    module = "hicache_async_ack_lab.testing.mixed_node"
     procs = []
     try:
         for rank, env in enumerate(envs):

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from hicache_async_ack.sim.collectives import MinHub
 from hicache_async_ack.votes import VOTE_SLOTS, PipelinedVotes
+from hicache_async_ack_lab.sim.collectives import MinHub
 
 
 class Op:

@@ -1,4 +1,4 @@
-"""``python -m hicache_async_ack {bench,bench-server,cpu-server,doctor,upstream-patch}``."""
+"""``python -m hicache_async_ack doctor``."""
 
 import sys
 

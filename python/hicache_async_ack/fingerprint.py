@@ -20,7 +20,7 @@ import textwrap
 from typing import Any, Callable, Iterable, Optional
 
 # Bump when canonical() changes: every recorded fingerprint changes with it, and the
-# table must be recorded again (upstream.load_table refuses one of another scheme).
+# table must be recorded again (guard.load_table refuses one of another scheme).
 SCHEME = "canonical-ast-1"
 
 BODY = "body"  # the whole definition: what it does

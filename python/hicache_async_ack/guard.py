@@ -14,7 +14,7 @@ fingerprints what each method the hooks wrap or rely on *does*
 (:mod:`hicache_async_ack.fingerprint`) in the installed SGLang at load time, and
 compares them with the table recorded from the real wheels of every tested release
 (``upstream_fingerprints.json``, written only by
-``python -m hicache_async_ack.tools.releases record``).
+``python -m hicache_async_ack_lab.releases record``).
 
 Verdicts (:func:`check_installed`):
 

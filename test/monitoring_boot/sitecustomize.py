@@ -11,7 +11,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-from hicache_async_ack.tools.cpu_server.standins import install
+from hicache_async_ack_lab.cpu_server.standins import install
 
 install()
 
@@ -28,7 +28,7 @@ def _noop_statement(node: ast.FunctionDef) -> None:
 
 
 def _drift(module) -> None:
-    from hicache_async_ack.testing.drift import drifted
+    from hicache_async_ack_lab.testing.drift import drifted
 
     cls = getattr(module, CLASS)
     setattr(cls, METHOD, drifted(getattr(cls, METHOD), _noop_statement))

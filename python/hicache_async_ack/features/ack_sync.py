@@ -349,7 +349,7 @@ def agreed_ready_counts(state: Optional[CacheState], cache, original, *args, **k
 # ------------------------------------------------------------------------ hooks
 # Target: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.
 # Upstream PR: sglang #39903 (pipeline the HiCache ack-count all_reduce).
-# Removable when upstream merges an equivalent (`hicache-async-ack upstream-patch`
+# Removable when upstream merges an equivalent (`hicache-async-ack-lab upstream-patch`
 # writes this feature as such a patch); the guard already stands down on a tree
 # that carries it.
 TAG = f"hicache-async-ack {__version__}"

@@ -1,2 +1,2 @@
-"""The command-line tools (``hicache-async-ack bench`` and ``doctor``) and the
-rank spawner they share with the tests."""
+"""The runtime's one command, ``hicache-async-ack doctor``, with the rank
+spawner and option types it shares with the lab (``hicache_async_ack_lab``)."""

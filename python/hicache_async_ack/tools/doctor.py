@@ -227,7 +227,8 @@ def diagnose(tp: int, step_ms: float, rounds: int) -> Report:
         dist_version = metadata.version("hicache-async-ack")
     except metadata.PackageNotFoundError:
         dist_version = None
-    here = os.path.dirname(os.path.abspath(__file__))
+    # the package's own directory, not this module's (tools/)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     plugin = f"{__version__} ({here})"
     if dist_version is None:
         plugin += "; NOT installed as a distribution"

@@ -1,0 +1,156 @@
+"""``hicache-async-ack-lab bench --decode-offload N``: PD decode KV offload progress.
+
+Per step each rank: rank 0 broadcasts on the TP group (``recv_requests``), then
+SGLang's real ``DecodeKVCacheOffloadManager.check_offload_progress`` runs
+(timed: the step's cost), then the forward "runs" for ``--step-ms`` with the
+host idle while N device-to-host offloads (finished by the next step) and about
+N/2 storage backups are queued. Arms, each on fresh ranks: ``blocking`` (stock
+SGLang: one blocking MIN all_reduce per step), ``pipelined`` (the plugin), and
+``bound`` (stock with the all_reduce replaced by a local no-op: a measurement
+device only).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+
+from hicache_async_ack.env import ENABLE_VAR, ENTRY_POINT_NAME, OFFLOAD_SYNC_VAR, PLUGINS_VAR
+from hicache_async_ack.tools.options import ToolError
+from hicache_async_ack.tools.ranks import Job, preload, run_ranks
+
+ARMS = ("blocking", "pipelined", "bound")
+BENCH_RANK_MODULE = "hicache_async_ack_lab.bench.rank_loop"  # preloaded as the ack bench does
+RANK_TARGET = "hicache_async_ack_lab.bench.offload:offload_rank"
+
+
+def offload_rank(ctx, cfg: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+    from sglang.srt.plugins import load_plugins
+
+    from hicache_async_ack_lab.sim.collectives import delayed
+    from hicache_async_ack_lab.sim.offload import build_manager
+
+    arm, world = cfg["arm"], ctx.world_size
+    latency_s = cfg["latency_ms"] / 1000.0
+    if arm == "pipelined":
+        os.environ.update({PLUGINS_VAR: ENTRY_POINT_NAME, ENABLE_VAR: "1", OFFLOAD_SYNC_VAR: "1"})
+    else:
+        os.environ[PLUGINS_VAR] = "none_selected"
+    load_plugins()
+    if arm == "pipelined" and latency_s:
+        from hicache_async_ack import adapter
+
+        adapter.use_async_min(lambda base: lambda g: delayed(base(g), lambda: latency_s))
+    real = torch.distributed.all_reduce
+    if arm == "bound":
+        torch.distributed.all_reduce = lambda *a, **k: None
+    elif arm == "blocking" and latency_s:
+
+        def slow(*a, **k):
+            time.sleep(latency_s)
+            return real(*a, **k)
+
+        torch.distributed.all_reduce = slow
+    om = build_manager(dist.group.WORLD, world)
+    rng = random.Random(cfg["seed"])  # the same traffic on every rank
+    bcast = torch.zeros(4, dtype=torch.int64)
+    total = cfg["warmup"] + cfg["steps"]
+    check_ms, popped = [], 0
+    dist.barrier()
+    t_window = time.perf_counter()
+    for step in range(total):
+        measured = step >= cfg["warmup"]
+        t0 = time.perf_counter()
+        if step == cfg["warmup"]:
+            t_window = t0
+        dist.broadcast(bcast, src=0)
+        c0 = time.perf_counter()
+        om.manager.check_offload_progress()
+        if measured:
+            check_ms.append((time.perf_counter() - c0) * 1000.0)
+        popped += len(om.take_pops())
+        for _ in range(cfg["offloads"]):
+            om.add_offload()
+        for _ in range(rng.randint(0, cfg["offloads"])):
+            om.add_backup()
+        left = t0 + cfg["step_ms"] / 1000.0 - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        ctx.report(step + 1)
+    window_s = time.perf_counter() - t_window
+    torch.distributed.all_reduce = real
+    dist.barrier()
+    from hicache_async_ack.features.decode_offload import state_of
+
+    state = state_of(om.manager)
+    return {
+        "check_ms": check_ms,
+        "window_s": window_s,
+        "steps": cfg["steps"],
+        "popped": popped,
+        "pipelined": bool(state and state.agreed and state.enabled and state.static.pipelined),
+        "violations": om.cc.violations,
+    }
+
+
+def run(args) -> int:
+    import numpy as np
+
+    tp = args.tp
+    latency = args.inject_latency_ms[0][0] if args.inject_latency_ms else 0.0
+    cfg = {
+        "offloads": args.decode_offload,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "step_ms": args.step_ms,
+        "latency_ms": latency,
+        "seed": args.seed,
+    }
+    preload(args.quiet, BENCH_RANK_MODULE)
+    rows = {}
+    for arm in ARMS:
+        job = Job(
+            target=RANK_TARGET,
+            world_size=tp,
+            payload=dict(cfg, arm=arm),
+            timeout_s=120.0 + (args.steps + args.warmup) * (args.step_ms + latency + 50) / 1e3,
+            label=f"decode offload {arm} arm",
+            group_timeout_s=60.0,
+        )
+        t0 = time.monotonic()
+        results = [r for r in run_ranks(job) if r is not None]
+        if not args.quiet:
+            print(f"[{arm}] {tp} ranks in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+        if any(r["violations"] for r in results):
+            raise ToolError(f"{arm} arm: {results[0]['violations'][:5]}")
+        if arm == "pipelined" and not results[0]["pipelined"]:
+            raise ToolError("decode offload pipelined arm did not pipeline")
+        r0 = results[0]
+        q = np.quantile(np.asarray(r0["check_ms"], dtype=float), [0.5, 0.9])
+        rows[arm] = (q[0], q[1], min(r["steps"] / r["window_s"] for r in results), r0["popped"])
+    bound = rows["bound"][2]
+    print(
+        f"hicache-async-ack-lab bench --decode-offload {args.decode_offload}: TP={tp}, "
+        f"{args.steps} steps (+{args.warmup} warmup), forward {args.step_ms:g} ms, "
+        f"injected latency {latency:g} ms"
+    )
+    head = ("arm", "check p50 ms", "p90", "steps/s", "vs bound", "popped")
+    print(f"{head[0]:<10} {head[1]:>12} {head[2]:>7} {head[3]:>8} {head[4]:>8} {head[5]:>7}")
+    for arm, (p50, p90, sps, n) in rows.items():
+        print(f"{arm:<10} {p50:>12.3f} {p90:>7.3f} {sps:>8.2f} {100 * sps / bound:>7.2f}% {n:>7}")
+    return 0
+
+
+def add_arguments(p) -> None:
+    p.add_argument(
+        "--decode-offload",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of the ack arms: PD decode offload progress with N offloads "
+        "per step; arms " + ", ".join(ARMS),
+    )

@@ -1,0 +1,242 @@
+"""``hicache-async-ack-lab bench --prefetch N``: requests waiting on storage prefetches
+under the ``timeout`` policy.
+
+Per pass each rank: rank 0 broadcasts on the TP group (``recv_requests``), then
+SGLang's real ``check_hicache_events`` runs, then ``check_prefetch_progress``
+for each of the N waiting requests (each with an ongoing prefetch, deadline
+``--prefetch-life`` passes after it started, the same on every rank; one that
+stops is replaced by a new one), all timed as the pass's cost; then the forward
+"runs" for ``--step-ms`` with the host idle. Arms, each on fresh ranks:
+
+- ``blocking``: stock SGLang (one blocking MAX all_reduce per waiting request,
+  plus the blocking ack reduce).
+- ``acks_only``: the plugin with the prefetch votes off (the ack reduce
+  pipelined, the per-request reduces still blocking).
+- ``pipelined``: the plugin (ack reduce and votes pipelined: one async vote
+  reduce per pass).
+- ``bound``: zero-sync bound: stock, with every cache collective replaced by a
+  local no-op (a measurement device only).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from types import SimpleNamespace
+from typing import Optional
+
+from hicache_async_ack.env import ENABLE_VAR, ENTRY_POINT_NAME, PLUGINS_VAR, PREFETCH_VOTES_VAR
+from hicache_async_ack.tools.options import ToolError
+from hicache_async_ack.tools.ranks import Job, preload, run_ranks
+
+ARMS = ("blocking", "acks_only", "pipelined", "bound")
+BENCH_RANK_MODULE = "hicache_async_ack_lab.bench.rank_loop"  # preloaded as the ack bench does
+RANK_TARGET = "hicache_async_ack_lab.bench.prefetch:prefetch_rank"
+
+
+def _load(arm: str) -> None:
+    from sglang.srt.plugins import load_plugins
+
+    if arm in ("pipelined", "acks_only"):
+        os.environ[PLUGINS_VAR] = ENTRY_POINT_NAME
+        os.environ[ENABLE_VAR] = "1"
+        os.environ[PREFETCH_VOTES_VAR] = "1" if arm == "pipelined" else "0"
+    else:
+        os.environ[PLUGINS_VAR] = "none_selected"
+    load_plugins()
+
+
+def prefetch_rank(ctx, cfg: dict) -> dict:
+    """Rank target: one arm's pass loop."""
+    import torch
+    import torch.distributed as dist
+
+    from hicache_async_ack.features.ack_sync import after_init_hicache
+    from hicache_async_ack.features.prefetch_votes import (
+        after_init_hicache as after_init_hicache_prefetch,
+    )
+    from hicache_async_ack_lab.bench.workload import delayed_all_reduce, local_no_op
+    from hicache_async_ack_lab.sim.cache import build_cache
+    from hicache_async_ack_lab.sim.collectives import delayed
+    from hicache_async_ack_lab.sim.prefetch import add_prefetch
+
+    arm, world = cfg["arm"], ctx.world_size
+    latency_s = cfg["latency_ms"] / 1000.0
+    _load(arm)
+    if latency_s and arm in ("pipelined", "acks_only"):
+        from hicache_async_ack import adapter
+
+        adapter.use_async_min(lambda base: lambda g: delayed(base(g), lambda: latency_s))
+    sim = build_cache(tp_group=dist.group.WORLD, tp_world_size=world, storage=True)
+    clock = SimpleNamespace(now=0)
+    ps = add_prefetch(sim, deadline=lambda op: clock.now >= op.bench_deadline)
+    cache = sim.cache
+    blocking_calls = [0]
+    real = cache._all_reduce
+
+    def counted(data, op):
+        blocking_calls[0] += 1
+        return real(data, op)
+
+    cache.__dict__["_all_reduce"] = counted
+    if arm == "bound":
+        cache.__dict__["_all_reduce"] = local_no_op
+    elif latency_s:
+        cache.__dict__["_all_reduce"] = delayed_all_reduce(counted, lambda: latency_s)
+    if arm in ("pipelined", "acks_only"):
+        params = SimpleNamespace(enable_metrics=False)
+        after_init_hicache(None, cache, None, params)
+        after_init_hicache_prefetch(None, cache, None, params)
+    n_id = 0
+
+    def refill(p: int) -> None:
+        nonlocal n_id
+        while len(cache.ongoing_prefetch) < cfg["prefetch"]:
+            h = ps.add(f"r{n_id}")
+            cache.ongoing_prefetch[h].operation.bench_deadline = p + cfg["life"]
+            n_id += 1
+
+    bcast = torch.zeros(4, dtype=torch.int64)
+    total = cfg["warmup"] + cfg["steps"]
+    pass_ms, step_ms, blocking, waiting = [], [], [], []
+    refill(0)
+    dist.barrier()
+    t_window = time.perf_counter()
+    for p in range(total):
+        measured = p >= cfg["warmup"]
+        clock.now = p
+        t0 = time.perf_counter()
+        if p == cfg["warmup"]:
+            t_window = t0
+        dist.broadcast(bcast, src=0)
+        c0 = time.perf_counter()
+        calls = blocking_calls[0]
+        cache.check_hicache_events()
+        ack_calls = blocking_calls[0] - calls
+        handles = sorted(cache.ongoing_prefetch, key=lambda h: int(h.rid[1:]))
+        for h in handles:
+            ps.check(h)
+        c1 = time.perf_counter()
+        if measured:
+            pass_ms.append((c1 - c0) * 1000.0)
+            blocking.append(blocking_calls[0] - calls - ack_calls)
+            waiting.append(len(handles))
+        refill(p + 1)
+        left = t0 + cfg["step_ms"] / 1000.0 - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        if measured:
+            step_ms.append((time.perf_counter() - t0) * 1000.0)
+        ctx.report(p + 1)
+    window_s = time.perf_counter() - t_window
+    dist.barrier()
+    from hicache_async_ack.features.prefetch_votes import state_of
+
+    state = state_of(cache)
+    return {
+        "pass_ms": pass_ms,
+        "step_ms": step_ms,
+        "blocking_per_pass": blocking,
+        "waiting": waiting,
+        "vote_reduces": state.votes.passes if state and state.votes else 0,
+        "pipelined": bool(state and state.active),
+        "stopped": len(ps.ended),
+        "window_s": window_s,
+        "steps": cfg["steps"],
+    }
+
+
+def _q(values, q):
+    import numpy as np
+
+    return float(np.quantile(np.asarray(values, dtype=float), q)) if values else float("nan")
+
+
+def _mean(values) -> float:
+    return sum(values) / max(1, len(values))
+
+
+def run(args) -> int:
+    tp = getattr(args, "tp", 4)
+    latency = args.inject_latency_ms[0][0] if args.inject_latency_ms else 0.0
+    cfg = {
+        "prefetch": args.prefetch,
+        "life": args.prefetch_life,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "step_ms": args.step_ms,
+        "latency_ms": latency,
+    }
+
+    preload(args.quiet, BENCH_RANK_MODULE)
+    rows: dict[str, dict] = {}
+    for arm in ARMS:
+        job = Job(
+            target=RANK_TARGET,
+            world_size=tp,
+            payload=dict(cfg, arm=arm),
+            timeout_s=120.0 + (args.steps + args.warmup) * (args.step_ms + 20 * latency + 50) / 1e3,
+            label=f"prefetch {arm} arm",
+            group_timeout_s=60.0,
+        )
+        t0 = time.monotonic()
+        results = [r for r in run_ranks(job) if r is not None]
+        if not args.quiet:
+            print(f"[{arm}] {tp} ranks in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+        r0 = results[0]
+        rows[arm] = {
+            "pass_p50": _q(r0["pass_ms"], 0.5),
+            "pass_p90": _q(r0["pass_ms"], 0.9),
+            "blocking_per_pass": _mean(r0["blocking_per_pass"]),
+            "async_per_pass": r0["vote_reduces"] / (args.steps + args.warmup),
+            "waiting": _mean(r0["waiting"]),
+            "steps_s": min(r["steps"] / r["window_s"] for r in results),
+            "stopped": r0["stopped"],
+        }
+        if arm == "pipelined" and not r0["pipelined"]:
+            raise ToolError("prefetch pipelined arm did not pipeline the votes")
+    bound = rows["bound"]["steps_s"]
+    print(
+        f"hicache-async-ack-lab bench --prefetch {args.prefetch}: TP={tp}, timeout policy, "
+        f"{args.steps} passes (+{args.warmup} warmup), forward {args.step_ms:g} ms, "
+        f"injected latency {latency:g} ms, prefetch life {args.prefetch_life} passes"
+    )
+    head = (
+        f"{'arm':<10} {'pass p50 ms':>11} {'p90':>7} {'waiting':>7} {'blocking/pass':>13} "
+        f"{'async/pass':>10} {'steps/s':>8} {'vs bound':>8}"
+    )
+    print(head)
+    for arm, r in rows.items():
+        print(
+            f"{arm:<10} {r['pass_p50']:>11.3f} {r['pass_p90']:>7.3f} {r['waiting']:>7.1f} "
+            f"{r['blocking_per_pass']:>13.2f} {r['async_per_pass']:>10.2f} "
+            f"{r['steps_s']:>8.2f} {100.0 * r['steps_s'] / bound:>7.2f}%"
+        )
+    print(
+        "blocking/pass: per-request prefetch collectives on the scheduler's path per pass "
+        "(the ack reduce not counted); async/pass: vote reduces issued per pass"
+    )
+    return 0
+
+
+def add_arguments(p) -> None:
+    p.add_argument(
+        "--prefetch",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of the ack arms: N requests waiting on storage prefetches per "
+        "pass, timeout policy; arms " + ", ".join(ARMS),
+    )
+    p.add_argument(
+        "--prefetch-life",
+        type=int,
+        default=20,
+        metavar="PASSES",
+        help="with --prefetch: passes until a prefetch's deadline (default 20)",
+    )
+
+
+def wanted(args) -> Optional[int]:
+    return getattr(args, "prefetch", 0) or None
