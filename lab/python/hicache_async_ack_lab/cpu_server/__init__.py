@@ -27,6 +27,7 @@ from hicache_async_ack_lab.cpu_server.settings import (
     CPU_BREAK_COPIES_VAR,
     CPU_REDUCE_LATENCY_VAR,
     CPU_SKEW_VAR,
+    option,
     parse_cpu_break_copies,
     parse_cpu_reduce_latency_ms,
     parse_cpu_skew,
@@ -61,6 +62,21 @@ def default_args(model_path: Path, weights: str = "seeded") -> list[str]:
         "--disable-cuda-graph",
         "--disable-custom-all-reduce",
     ]  # fmt: skip
+
+
+# A PD server (--disaggregation-mode prefill|decode), before the caller's arguments: KV
+# over Mooncake's TCP transport, and a KV pool and batch bound of its own (a decode
+# server otherwise sizes its pool at 95% of host RAM and is killed).
+PD_DEFAULTS = [
+    "--disaggregation-transfer-backend", "mooncake_tcp",
+    "--max-total-tokens", "4096",
+    "--max-running-requests", "16",
+]  # fmt: skip
+
+
+def pd_role(args: Sequence[str]) -> Optional[str]:
+    role = option(args, "--disaggregation-mode")
+    return role if role in ("prefill", "decode") else None
 
 
 def _int_opt(args: Sequence[str], names: tuple[str, ...], default: int) -> int:
@@ -118,7 +134,8 @@ def command(
 ) -> list[str]:
     load_format(weights)  # a bad name fails before the model is built
     model = ensure_model(model_path)
-    return [sys.executable, "-m", "sglang.launch_server", *default_args(model, weights), *args]
+    pd = PD_DEFAULTS if pd_role(args) else []
+    return [sys.executable, "-m", "sglang.launch_server", *default_args(model, weights), *pd, *args]
 
 
 def describe_standins() -> str:

@@ -2,8 +2,9 @@
 
 With ``HICACHE_ASYNC_ACK_CPU_BOUND=1`` (``cpu-server --cpu-bound``, or bench-server's
 ``bound`` arm) every HiCache collective of the server answers with the rank's own
-value: ``UnifiedRadixCache._all_reduce`` / ``_all_reduce_attn_groups`` and the cache
-controller's ``_all_reduce`` return without reducing. No ack-sync design can cost
+value: ``UnifiedRadixCache._all_reduce`` / ``_all_reduce_attn_groups``, the cache
+controller's ``_all_reduce`` and PD decode's ``check_offload_progress`` MIN return
+without reducing. No ack-sync design can cost
 less, so the bound is the limit the plugin is measured against.
 
 Why the answers are still right here: on CPU every copy has finished by the time
@@ -164,6 +165,26 @@ def _patch_cache_controller(module) -> None:
     cls._all_reduce = functools.wraps(cls._all_reduce)(_own_value_groups)
 
 
+def _own_value_offload_progress(self) -> None:
+    """PD decode offload progress without its MIN: each rank pops its own queue sizes.
+    On CPU every offload copy is done when queued; a backup finishes on the rank's own
+    storage thread, so the ranks may pop one a step apart, which only moves when host
+    pages are freed (the tiny model's pool never fills)."""
+    cc = self.cache_controller
+    self._check_offload_progress(len(cc.ack_write_queue))
+    self._check_backup_progress(cc.ack_backup_queue.qsize())
+
+
+def _patch_offload_manager(module) -> None:
+    if not check():
+        return
+    cls = module.DecodeKVCacheOffloadManager
+    cls.check_offload_progress = functools.wraps(cls.check_offload_progress)(
+        _own_value_offload_progress
+    )
+    logger.warning("cpu-server: %s, the decode offload progress answers locally", BOUND_MARK)
+
+
 def check_dedicated(environ: Optional[Mapping[str, str]] = None) -> bool:
     env = os.environ if environ is None else environ
     if not parse_bool(CPU_DEDICATED_GROUP_VAR, env.get(CPU_DEDICATED_GROUP_VAR), False):
@@ -212,6 +233,7 @@ PATCHES: dict[str, Callable] = {
     "sglang.srt.managers.cache_controller": _patch_cache_controller,
     "hicache_async_ack.adapter": _patch_plugin_reduces,
     "sglang.srt.distributed.parallel_state": _patch_parallel_state,
+    "sglang.srt.disaggregation.decode_kvcache_offload_manager": _patch_offload_manager,
 }
 
 

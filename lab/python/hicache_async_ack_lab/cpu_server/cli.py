@@ -11,7 +11,14 @@ import argparse
 import os
 import sys
 
-from hicache_async_ack_lab.cpu_server import WEIGHTS, bound, command, describe_standins, environment
+from hicache_async_ack_lab.cpu_server import (
+    WEIGHTS,
+    bound,
+    command,
+    describe_standins,
+    environment,
+    pd_cli,
+)
 from hicache_async_ack_lab.cpu_server.model import default_dir
 from hicache_async_ack_lab.cpu_server.settings import (
     BREAK_MODES,
@@ -105,6 +112,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         action="store_true",
         help="print the command and environment instead of starting the server",
     )
+    pd_cli.add_arguments(p)
     p.set_defaults(func=run, passthrough=True)
     return p
 
@@ -112,6 +120,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args) -> int:
     from pathlib import Path
 
+    if args.pd:
+        print("hicache-async-ack-lab cpu-server --pd: CPU stand-ins (test support, never "
+              "production):\n" + describe_standins(), file=sys.stderr)  # fmt: skip
+        return pd_cli.run(args, pd_cli.main_say)
     rest = list(args.rest)
     model_dir = Path(args.cpu_model_dir) if args.cpu_model_dir else None
     cmd = command(rest, model_dir, weights=args.cpu_weights)

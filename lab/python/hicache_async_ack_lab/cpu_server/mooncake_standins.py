@@ -75,6 +75,7 @@ def _bind_direct_ops(module) -> None:
 
     # The negative control (settings.py) breaks these copies as it does the others.
     mode = parse_cpu_break_copies(os.environ.get(CPU_BREAK_COPIES_VAR))
+    mode = "" if mode == "transfer" else mode  # the PD transfer's, not these copies
     for op in (transfer_kv_per_layer_direct_pf_lf, transfer_kv_all_layer_direct_lf_pf):
         if getattr(module, op.__name__, None) is None:
             setattr(module, op.__name__, _broken(op, mode) if mode else op)

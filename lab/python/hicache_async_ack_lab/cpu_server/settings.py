@@ -16,9 +16,11 @@ CPU_REDUCE_LATENCY_VAR = "HICACHE_ASYNC_ACK_CPU_REDUCE_LATENCY_MS"
 # HICACHE_ASYNC_ACK_CPU_BREAK_COPIES: break the stand-ins' KV copies ON PURPOSE, the
 # negative control of the end-to-end correctness checks (they must fail on it):
 # "noop" copies nothing (device <-> host, so storage hits too), "swap" writes the
-# right rows into the wrong buffers (K and V, and layers, swapped). Unset: real copies.
+# right rows into the wrong buffers (K and V, and layers, swapped); "transfer" (a PD
+# decode server) registers its KV buffers for the prefill's transfer in reverse order,
+# so the KV a prefill sends lands in the wrong layers. Unset: real copies.
 CPU_BREAK_COPIES_VAR = "HICACHE_ASYNC_ACK_CPU_BREAK_COPIES"
-BREAK_MODES = ("noop", "swap")
+BREAK_MODES = ("noop", "swap", "transfer")
 
 
 def parse_cpu_skew(raw: Optional[str]) -> tuple[int, ...]:
@@ -77,13 +79,25 @@ def _storage_backend(args: Sequence[str]) -> Optional[str]:
     return value
 
 
+def option(args: Sequence[str], name: str) -> Optional[str]:
+    """The last value of ``--name VALUE`` / ``--name=VALUE`` in ``args`` (argparse's)."""
+    value = None
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
 def server_env(args: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
-    """What cpu-server sets for the Mooncake backend (never overriding the caller)."""
-    if _storage_backend(args) != "mooncake":
-        return {}
-    wanted = {
+    """What cpu-server sets for Mooncake, as L3 store or as PD transfer engine (never
+    overriding the caller)."""
+    wanted = {}
+    if _storage_backend(args) == "mooncake":
         # A second, RDMA transfer engine TCP never uses would ask for a local IP.
-        "SGLANG_HICACHE_MOONCAKE_REUSE_TE": "0",
-        "SGLANG_HOST_IP": "127.0.0.1",
-    }
+        wanted.update(SGLANG_HICACHE_MOONCAKE_REUSE_TE="0", SGLANG_HOST_IP="127.0.0.1")
+    if option(args, "--disaggregation-mode") in ("prefill", "decode"):
+        # The transfer engine's TCP transport, its peers (bootstrap) on loopback.
+        wanted.update(MOONCAKE_PROTOCOL="tcp", SGLANG_HOST_IP="127.0.0.1")
     return {k: v for k, v in wanted.items() if k not in env}

@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Callable
 
-from hicache_async_ack_lab.cpu_server import bound, mooncake_standins
+from hicache_async_ack_lab.cpu_server import bound, mooncake_standins, pd_standins
 from hicache_async_ack_lab.cpu_server.settings import (
     CPU_BREAK_COPIES_VAR,
     CPU_REDUCE_LATENCY_VAR,
@@ -120,7 +120,7 @@ def _register_ops(_module=None) -> None:
         "Tensor dst_indices, int page_size) -> ()"
     )
     mode = parse_cpu_break_copies(os.environ.get(CPU_BREAK_COPIES_VAR))
-    lib.impl("transfer_kv_direct", TRANSFERS[mode], "CPU")
+    lib.impl("transfer_kv_direct", TRANSFERS.get(mode, transfer_kv_direct), "CPU")
     if mode:
         logger.warning("cpu-server: KV copies BROKEN ON PURPOSE (%s=%s)", CPU_BREAK_COPIES_VAR,
                        mode)  # fmt: skip
@@ -264,6 +264,7 @@ PATCHES: dict[str, Callable] = {
     "hicache_async_ack.adapter": _delay_plugin_reduces,
 }
 mooncake_standins.register(PATCHES, STANDINS)  # the Mooncake backend's two direct ops
+pd_standins.register(PATCHES, STANDINS)  # PD disaggregation's KV sender and early send
 bound.register(PATCHES, STANDINS)  # the zero-sync bound, only with --cpu-bound
 
 
