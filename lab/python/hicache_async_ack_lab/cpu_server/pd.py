@@ -168,6 +168,28 @@ class PDPair:
             self.stop()
             raise
 
+    def restart_decode(self, decode_env: Optional[Mapping[str, str]] = None,
+                       latency_ms: float = 0.0, name: str = "") -> None:  # fmt: skip
+        """A fresh decode server (and router) beside the same prefill: the bench's arms
+        differ on the decode side only. ``name`` tags its log."""
+        if self.router is not None:
+            _stop_group(self.router, 15.0)
+            self.router = None
+        for node in self.decode_nodes:
+            node.stop()
+        self.decode_env = dict(decode_env or {})
+        self.latency_ms = latency_ms
+        t0 = time.monotonic()
+        try:
+            self.decode_nodes = self._decode_nodes(name)
+            for node in self.decode_nodes:
+                node.start()
+            self._start_router()
+            self.startup_s = time.monotonic() - t0
+        except BaseException:
+            self.stop()
+            raise
+
     def _server(self, name: str, args: list[str], env: dict, **kwargs) -> NsServer:
         assert self.ns is not None
         return NsServer(
@@ -182,7 +204,7 @@ class PDPair:
                 *self.prefill_args]  # fmt: skip
         return self._server("prefill", args, self.prefill_env)
 
-    def _decode_nodes(self) -> list[NsServer]:
+    def _decode_nodes(self, tag: str = "") -> list[NsServer]:
         assert self.ns is not None
         base = ["--disaggregation-mode", "decode", "--tp", str(self.decode_tp)]
         if self.offload:
@@ -193,7 +215,7 @@ class PDPair:
         nodes = []
         for rank, node_env in enumerate(self.node_envs):
             multi = ["--nnodes", str(n), "--node-rank", str(rank), "--dist-init-addr", dist]
-            name = "decode" if n == 1 else f"decode-node{rank}"
+            name = ("decode" if n == 1 else f"decode-node{rank}") + (f"-{tag}" if tag else "")
             nodes.append(
                 self._server(
                     name,
