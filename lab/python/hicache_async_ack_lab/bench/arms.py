@@ -14,7 +14,7 @@ ARMS = ("l1", "stock", "plugin", "bound", "local", "dedicated")
 # local: the plugin with its reduces answered locally; dedicated: on a group of their own
 PIPELINED_ARMS = ("plugin", "local", "dedicated")
 DEFAULT_ARMS = ("stock", "plugin")
-WORKLOADS = ("gsp", "multiturn")
+WORKLOADS = ("gsp", "multiturn", "pd")  # pd: a PD pair's decode offload (pd.py)
 # multiturn's device pool: the longest history (system prompt, 6 questions, 5 replies:
 # ~950 tokens with the bundled tokenizer) must fit one request's context, while 8
 # lanes' histories (~7,500 tokens) still spill to host

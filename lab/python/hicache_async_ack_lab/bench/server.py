@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 from hicache_async_ack.tools.options import ToolError, int_in
-from hicache_async_ack_lab.bench import multiturn, storage
+from hicache_async_ack_lab.bench import multiturn, pd, storage
 from hicache_async_ack_lab.bench.arms import (
     ARMS,
     DEFAULT_ARMS,
@@ -226,6 +226,8 @@ def start(server, name: str, quiet: bool) -> int:
 def run(args) -> int:
     if storage.wanted(args):  # requests waiting on L3 prefetches instead (storage.py)
         return storage.run(args)
+    if args.workload == "pd":  # a PD pair's decode offload sync instead (pd.py)
+        return pd.run(args)
     cfg = config_of(args)
     # SIGTERM unwinds like Ctrl-C, so the server and client of the visit stop too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -341,7 +343,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         choices=WORKLOADS,
         default="gsp",
         help="gsp: generated-shared-prefix (quick, default); multiturn: the "
-        "seed's N lanes x M turns",
+        "seed's N lanes x M turns; pd: a PD pair (prefill TP 1, decode TP --tp with "
+        "KV offload), gsp's requests through SGLang's PD router, arms stock, plugin, bound",
     )
     g = p.add_argument_group("gsp workload")
     g.add_argument("--num-groups", type=int_in("--num-groups", 1), default=8)
