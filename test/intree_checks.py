@@ -6,10 +6,14 @@ SGLANG_PLUGINS excludes the plugin. Run elsewhere, the first check fails.
 
 What SGLang's own unit test checks about ``check_hicache_events`` in the PP
 and buffer modes (test_hiradix_pp_sync_drain.py), checked here on the patched
-class with caches built as that test builds them (no init_hicache, so no
-HiCacheAckSync: the blocking path): a PP leader makes one blocking reduce of its
-counts, a PP follower sends placeholders and pops PP0's counts, a buffer_only
-follower reduces over the attention groups and pops its own counts.
+class with caches built as that test builds them: ``object.__new__`` and
+exactly the fields it sets, ``ack_sync`` not among them (the class default keeps
+them on the blocking path, issue 35), and with complete caches through
+init_hicache's decision: a PP leader makes one blocking reduce of its counts, a
+PP follower sends placeholders and pops PP0's counts, a buffer_only follower
+reduces over the attention groups and pops its own counts.
+test_upstream_patch.py also runs the ``fixture`` cases on the patch without the
+class default (the patch before issue 35), where they must fail.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import pytest
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from hicache_async_ack.env import PLUGINS_VAR
-from hicache_async_ack.features.ack_sync import STORAGE_QUEUES
+from hicache_async_ack_lab.intree.edits import STORAGE_QUEUES
 from hicache_async_ack_lab.sim.cache import build_cache
 from hicache_async_ack_lab.sim.collectives import FakeGroup
 from hicache_async_ack_lab.testing.scenarios import attach_in_tree
@@ -44,8 +48,8 @@ def test_the_patched_tree_is_the_one_in_use_and_the_plugin_is_not_loaded():
     for name in ("init_hicache", "check_hicache_events", "_sync_hicache_ready_counts"):
         assert not is_hooked(getattr(UnifiedRadixCache, name)), name
     assert "site-packages" not in intree.__file__
-    # No class attribute: __init__ defaults it, as it does the other collaborators
-    assert not hasattr(UnifiedRadixCache, "ack_sync")
+    # Caches built without __init__ find the blocking path's None on the class.
+    assert "ack_sync" in vars(UnifiedRadixCache) and UnifiedRadixCache.ack_sync is None
 
 
 # ------------------------------------------------------------- PP and buffer
@@ -75,47 +79,44 @@ class Recorder:
             self.act(*args, **kwargs)
 
 
-def pp_cache(kind: str, pp_rank: int, writes, loads, host_memory_mode="cache", storage=False):
+def pp_cache(kind: str, pp_rank: int, writes, loads, buffer_only=False):
     """A PP-stage cache with the blocking path's collaborators recorded.
 
-    ``bare``: object.__new__ with only what check_hicache_events reads (as
-    SGLang's unit tests build one; no groups, no init_hicache). ``full``: every
-    attribute a real cache has, in a TP group of 2 (eligible but for PP)."""
-    if kind == "bare":
+    ``fixture``: as SGLang's test_hiradix_pp_sync_drain.py builds one:
+    object.__new__, then the fields that test sets and no other (a field set
+    here that it does not set would hide a read of it), so no ack_sync, no
+    groups, no init_hicache. ``full``: every attribute a real cache has, in a
+    TP group of 2 (eligible but for PP)."""
+    recorded = ["_drain_async_work", "_all_reduce", "writing_check", "loading_check"]
+    if kind == "fixture":
         cache = object.__new__(UnifiedRadixCache)
         cache.__dict__.update(
             tree_core=SimpleNamespace(
-                enable_storage=storage, write_back_duplicate_reclaim_digest=0
+                enable_storage=buffer_only, write_back_duplicate_reclaim_digest=DIGEST
             ),
             linker=None,
-            ack_sync=None,  # what the patch adds to SGLang's own test's cache
             buffer_pipeline=None,
             enable_storage_metrics=False,
             storage_metrics_collector=None,
-            cache_controller=SimpleNamespace(start_writing=lambda: None),
+            cache_controller=SimpleNamespace(start_writing=Recorder()),
         )
     else:
         cache = build_cache(tp_group=FakeGroup(2), tp_world_size=2, pp_size=2).cache
-        cache.__dict__["ack_sync"] = None  # as the patched __init__ leaves it
-        cache.tree_core.enable_storage = storage
+        cache.tree_core.enable_storage = buffer_only
+        cache.cache_controller.extra_host_mem_release_queues = {}
     cc = cache.cache_controller
     cc.ack_write_queue = [Ack(d) for d in writes]
     cc.ack_load_queue = [Ack(d) for d in loads]
-    cc.extra_host_mem_release_queues = {}
-    for size, name in enumerate(STORAGE_QUEUES, start=1):
-        q: Queue = Queue()
-        for _ in range(size):
-            q.put(object())
-        setattr(cc, name, q)
-    cache.__dict__.update(pp_rank=pp_rank, pp_size=2, host_memory_mode=host_memory_mode)
-    for name in (
-        "_drain_async_work",
-        "_all_reduce",
-        "_all_reduce_attn_groups",
-        "writing_check",
-        "loading_check",
-        "_drain_storage_control_queues_impl",
-    ):
+    if buffer_only or kind == "full":  # the fixture's buffer case sets these too
+        for size, name in enumerate(STORAGE_QUEUES, start=1):
+            q: Queue = Queue()
+            for _ in range(size):
+                q.put(object())
+            setattr(cc, name, q)
+        recorded += ["_all_reduce_attn_groups", "_drain_storage_control_queues_impl"]
+    mode = "buffer_only" if buffer_only else "cache"
+    cache.__dict__.update(pp_rank=pp_rank, pp_size=2, host_memory_mode=mode)
+    for name in recorded:
         cache.__dict__[name] = Recorder()
     return cache
 
@@ -141,24 +142,30 @@ def async_reduces(monkeypatch) -> list:
 
 def stays_blocking(cache, kind: str) -> None:
     """A complete cache gets no HiCacheAckSync from init_hicache (PP or
-    buffer_only); a bare one has none at all."""
+    buffer_only); a fixture's has the class default."""
     if kind == "full":
         attach_in_tree(cache)
+    else:
+        assert "ack_sync" not in vars(cache)  # what the fixture case is about
     assert cache.ack_sync is None
 
 
-@pytest.mark.parametrize("kind", ["bare", "full"])
+KINDS = ["fixture", "full"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_pp_leader_reduces_its_counts_once_and_stays_blocking(async_reduces, kind):
     cache = pp_cache(kind, 0, writes=[True, False], loads=[True, True])
     cache.check_hicache_events()
     assert reduced(cache._all_reduce) == [[1, 2, DIGEST, -DIGEST]]
     assert finish_counts(cache) == ([1], [2])
-    assert cache._all_reduce_attn_groups.calls == []
+    # (a fixture's cache has no groups: reducing over them would raise)
+    assert getattr(cache._all_reduce_attn_groups, "calls", []) == []
     assert async_reduces == []
     stays_blocking(cache, kind)
 
 
-@pytest.mark.parametrize("kind", ["bare", "full"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_pp_follower_sends_placeholders_and_pops_the_leaders_counts(async_reduces, kind):
     cache = pp_cache(kind, 1, writes=[True], loads=[True])
 
@@ -170,7 +177,8 @@ def test_pp_follower_sends_placeholders_and_pops_the_leaders_counts(async_reduce
     assert [args[0].tolist() for args, _ in cache._all_reduce.calls] == [[1, 1, 0, 0]]
     assert finish_counts(cache) == ([1], [1])
     acks = cache.cache_controller.ack_write_queue + cache.cache_controller.ack_load_queue
-    assert all(ack.asked == 0 for ack in acks)  # placeholders: nothing was counted
+    # placeholders: nothing was counted
+    assert len(acks) == 2 and all(ack.asked == 0 for ack in acks)
     assert async_reduces == []
     stays_blocking(cache, kind)
 
@@ -179,18 +187,11 @@ def test_pp_follower_sends_placeholders_and_pops_the_leaders_counts(async_reduce
     "buffer_only" not in inspect.getsource(UnifiedRadixCache._sync_hicache_ready_counts),
     reason="this release reduces a buffer_only PP follower like any other PP stage",
 )
-@pytest.mark.parametrize("kind", ["bare", "full"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_buffer_only_follower_reduces_over_the_attention_groups_with_local_counts(
     async_reduces, kind
 ):
-    cache = pp_cache(
-        kind,
-        1,
-        writes=[True, False],
-        loads=[True, True],
-        host_memory_mode="buffer_only",
-        storage=True,
-    )
+    cache = pp_cache(kind, 1, writes=[True, False], loads=[True, True], buffer_only=True)
     cache.check_hicache_events()
     assert cache._all_reduce.calls == []
     assert reduced(cache._all_reduce_attn_groups) == [[1, 2, 1, 2, 3, 4, DIGEST, -DIGEST]]
@@ -231,7 +232,6 @@ def _mixed_rank(rank: int, port: int, out) -> None:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
         if rank == 0:
             sim = build_cache(tp_group=dist.group.WORLD, tp_world_size=2)
-            sim.cache.__dict__["ack_sync"] = None
             attach_in_tree(sim.cache)
             assert sim.cache.ack_sync is not None, "the in-tree rank must pipeline"
             for kind in ("write", "load"):

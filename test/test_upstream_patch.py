@@ -23,6 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 from collections import Counter
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from hicache_async_ack_lab import cli
 from hicache_async_ack_lab.intree import module as files
 from hicache_async_ack_lab.intree import unidiff
 from hicache_async_ack_lab.intree.doc_edit import DOC_PATH
-from hicache_async_ack_lab.intree.edits import CACHE_PATH, ENVIRON_PATH
+from hicache_async_ack_lab.intree.edits import CACHE_PATH, CLASS_DEFAULT, ENVIRON_PATH
 from hicache_async_ack_lab.releases import cache_root
 from hicache_async_ack_lab.testing.checks import assert_lagged_equal, assert_symmetric_and_complete
 from hicache_async_ack_lab.testing.scenarios import ACK_KINDS, LOCAL_DRAIN_EVENTS
@@ -131,6 +132,13 @@ def methods(path: Path, cls: str) -> dict[str, ast.FunctionDef]:
     return {n.name: n for n in node.body if isinstance(n, ast.FunctionDef)}
 
 
+def class_level(path: Path, cls: str = "UnifiedRadixCache") -> list[str]:
+    """The statements of the class body that are not methods, in order."""
+    tree = ast.parse(path.read_text())
+    (node,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls]
+    return [ast.unparse(n) for n in node.body if not isinstance(n, ast.FunctionDef)]
+
+
 def added_lines(patch: str) -> dict[str, int]:
     """Lines the patch adds, per file."""
     out: Counter = Counter()
@@ -188,6 +196,10 @@ def test_four_methods_change_and_the_counting_exists_once(root, tmp_path):
     def dumps(body: list) -> list[str]:
         return [ast.dump(s) for s in body]
 
+    assert class_level(tree / CACHE_PATH) == [
+        *class_level(root / CACHE_PATH),
+        "ack_sync: Optional[HiCacheAckSync] = None",
+    ]
     init, new_init = before["__init__"].body, after["__init__"].body
     added = [ast.unparse(s) for s in new_init if ast.dump(s) not in dumps(init)]
     assert added == ["self.ack_sync: Optional[HiCacheAckSync] = None"]
@@ -222,6 +234,76 @@ def test_four_methods_change_and_the_counting_exists_once(root, tmp_path):
     assert "cache._hicache_ready_queues()" in module
     for counting in ("qsize", "_count_ready_acks", "ack_write_queue", "prefetch_hit_queue"):
         assert counting not in module, counting
+
+
+# What check_hicache_events runs: the stock step, and the patched one with the
+# two methods the split adds.
+STEP = ("check_hicache_events", "_sync_hicache_ready_counts")
+PATCHED_STEP = (*STEP, *NEW_METHODS)
+
+
+def reads(path: Path, names: tuple) -> tuple[set, set]:
+    """(attributes of self, attributes of the cache controller) that the methods
+    ``names`` of UnifiedRadixCache read."""
+    fns = methods(path, "UnifiedRadixCache")
+    own, controller = set(), set()
+    for name in names:
+        for n in ast.walk(fns[name]):
+            if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load):
+                base = ast.unparse(n.value)
+                if base == "self":
+                    own.add(n.attr)
+                elif base in ("cc", "self.cache_controller"):
+                    controller.add(n.attr)
+    return own, controller
+
+
+def hand_built_gaps(stock: Path, patched: Path) -> list[str]:
+    """What the patched step reads that a cache built by hand for the stock step
+    (object.__new__, then what the stock step reads) may lack: attributes of
+    self or of its controller the stock step does not read and the class does
+    not define (a method, or a default in its body)."""
+    (own, controller), (old_own, old_controller) = (
+        reads(patched, PATCHED_STEP),
+        reads(stock, STEP),
+    )
+    tree = ast.parse(patched.read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "UnifiedRadixCache"]
+    defined = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    defined |= {
+        t.id
+        for n in cls.body
+        if isinstance(n, (ast.Assign, ast.AnnAssign))
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+        if isinstance(t, ast.Name)
+    }
+    gaps = sorted(own - old_own - defined)
+    return gaps + sorted(f"cache_controller.{a}" for a in controller - old_controller)
+
+
+def without_class_default(text: str) -> str:
+    """The patched cache as the patch before issue 35 left it: ack_sync set by
+    __init__ alone."""
+    block = textwrap.indent(CLASS_DEFAULT, "    ") + "\n"
+    assert text.count(block) == 1, "the class default is not where the patch puts it"
+    return text.replace(block, "")
+
+
+@pytest.mark.parametrize("root", RELEASES)
+def test_what_the_patched_step_reads_a_hand_built_cache_has(root, tmp_path):
+    """Issue 35: SGLang's unit tests build the cache with object.__new__ and set
+    what the stock step reads (test_hiradix_pp_sync_drain.py). The patched step
+    reads nothing more, but for what the class itself defines: the two new
+    methods and ack_sync's default. Negative control: without the class
+    default, ack_sync is the gap (what failed SGLang's TestUnifiedPPSyncBatching)."""
+    tree = copy_sources(root, tmp_path)
+    assert patch_p1(generate(root), tree).returncode == 0
+    own, _ = reads(tree / CACHE_PATH, PATCHED_STEP)
+    assert {"ack_sync", *NEW_METHODS} <= own  # the reads are seen
+    assert hand_built_gaps(root / CACHE_PATH, tree / CACHE_PATH) == []
+    cache = tree / CACHE_PATH
+    cache.write_text(without_class_default(cache.read_text()))
+    assert hand_built_gaps(root / CACHE_PATH, cache) == ["ack_sync"]
 
 
 @pytest.mark.parametrize("root", RELEASES)
@@ -300,7 +382,8 @@ def test_no_tests_leaves_the_tests_out(capsys, patch_text):
 
 
 # A test in a checkout shaped like SGLang's test_hiradix_pp_sync_drain.py: it
-# builds the cache with object.__new__ and sets what check_hicache_events reads.
+# builds the cache with object.__new__ and sets what the stock step reads. The
+# patch leaves it as it is (the class default covers it).
 OBJECT_NEW_TEST_PATH = "test/registered/unit/mem_cache/test_step_example.py"
 OBJECT_NEW_TEST = """import unittest
 
@@ -356,17 +439,13 @@ def test_against_a_checkout_paths_are_the_repositorys_and_the_doc_is_updated(cap
         f"python/{ENVIRON_PATH}",
         DOC_PATH,
         *files.TEST_PATHS,
-        OBJECT_NEW_TEST_PATH,
     ]
     assert run_cli(capsys, "--sglang-src", str(checkout))[1] == patch
     rc, out, _ = run_cli(capsys, "--sglang-src", str(checkout), "--check", str(checkout))
-    assert rc == 0 and "(7 files)" in out
+    assert rc == 0 and "(6 files)" in out
     done = patch_p1(patch, checkout)
     assert done.returncode == 0, done.stdout + done.stderr
-    test = (checkout / OBJECT_NEW_TEST_PATH).read_text().splitlines()
-    at = test.index("        cache.linker = None")
-    assert test[at + 1] == "        cache.ack_sync = None"
-    assert len(test) == len(OBJECT_NEW_TEST.splitlines()) + 1
+    assert (checkout / OBJECT_NEW_TEST_PATH).read_text() == OBJECT_NEW_TEST
     doc = (checkout / DOC_PATH).read_text().splitlines()
     at = doc.index("| `SGLANG_HICACHE_EXAMPLE` | An example row | `0` |")
     assert doc[at + 1].startswith(f"| `{ENABLE_VAR}` |") and doc[at + 1].endswith("| `true` |")
@@ -505,6 +584,26 @@ def test_the_patchs_tests_and_sglangs_pp_checks_pass_on_the_patched_tree(release
     rc, passed, tail = _pytest(intree_env, REPO, *tests, "test/intree_checks.py", "-rs")
     # the patch's 14 + 3; our 8, of which the two buffer_only ones skip on 0.5.20
     assert rc == 0 and passed >= 17 + 6, tail
+
+
+def test_sglangs_fixture_shape_fails_on_the_patch_without_the_class_default(tmp_path):
+    """Negative control for intree_checks.py's ``fixture`` cases: on the patch
+    as it was before issue 35 (ack_sync set by __init__ alone), caches built
+    as SGLang's test_hiradix_pp_sync_drain.py builds them stop with the
+    AttributeError that failed both of its TestUnifiedPPSyncBatching tests."""
+    root = installed_root()
+    tree = mirror(root, tmp_path / "sglang")
+    assert patch_p1(generate(root), tree).returncode == 0
+    cache = tree / CACHE_PATH
+    cache.write_text(without_class_default(cache.read_text()))
+    env = _env(tree, exclude_plugin=True)
+    args = ("test/intree_checks.py", "-k", "fixture", "-rf", "--tb=line")
+    rc, passed, tail = _pytest(env, REPO, *args)
+    failed = re.findall(r"^FAILED \S+\[fixture\]", tail, re.M)
+    # each raised in the patched step itself (SGLang's file, not the fixture)
+    why = r"unified_radix_cache\.py:\d+: AttributeError: .* no attribute 'ack_sync'$"
+    assert rc == 1 and passed == 0 and len(failed) == 3, tail
+    assert len(re.findall(why, tail, re.M)) == 3, tail
 
 
 PROBE = """

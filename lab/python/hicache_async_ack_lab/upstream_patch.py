@@ -27,14 +27,7 @@ from typing import Optional
 from hicache_async_ack.tools.options import ToolError
 from hicache_async_ack_lab.intree import unidiff
 from hicache_async_ack_lab.intree.doc_edit import DOC_PATH, edit_doc
-from hicache_async_ack_lab.intree.edits import (
-    CACHE_PATH,
-    ENVIRON_PATH,
-    edit_cache,
-    edit_environ,
-    edit_object_new_test,
-    needs_ack_sync_default,
-)
+from hicache_async_ack_lab.intree.edits import CACHE_PATH, ENVIRON_PATH, edit_cache, edit_environ
 from hicache_async_ack_lab.intree.module import MODULE_PATH, TEST_PATHS, read
 
 SUMMARY = "write the in-tree form (a patch to SGLang) to stdout"
@@ -107,13 +100,9 @@ def new_texts(tree: Tree, tests: bool = True) -> dict[str, tuple[Optional[str], 
         text = _read(tree.root, DOC_PATH)
         out[DOC_PATH] = (text, edit_doc(text))
     if tests:
+        # SGLang's own tests are left as they are: those that build the cache
+        # without __init__ get ack_sync from its class default (edits.py).
         out.update({rel: (None, read(rel)) for rel in TEST_PATHS})
-    if p and tests:  # a checkout: its tests that build the cache without __init__
-        for path in sorted((tree.root / "test").rglob("test_*.py")):
-            text = path.read_text(errors="replace")
-            if needs_ack_sync_default(text):
-                rel = path.relative_to(tree.root).as_posix()
-                out[rel] = (text, edit_object_new_test(text, rel))
     return out
 
 

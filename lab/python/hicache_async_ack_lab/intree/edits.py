@@ -1,17 +1,19 @@
 """The edits to SGLang's own files, computed from the source given.
 
-``unified_radix_cache.py``: one import; ``__init__`` defaults ``ack_sync`` to
-None (the blocking path) next to the other HiCache collaborators;
+``unified_radix_cache.py``: one import; ``ack_sync`` defaults to None (the
+blocking path) on the class, as ``BasePrefixCache`` declares ``cache_controller``,
+so that caches built without ``__init__`` (SGLang's unit tests build them with
+``object.__new__`` and set only what the stock step reads) keep the stock step
+unchanged, and again in ``__init__`` next to the other HiCache collaborators;
 ``init_hicache`` ends by creating it, with the disaggregation mode from its
 server args; ``_sync_hicache_ready_counts`` is split into the local counts
 (``_local_hicache_ready_counts``, counting over ``_hicache_ready_queues``, the
-one list of what is counted) and the reduce, so the pipelined path counts with
-the same code; ``check_hicache_events`` takes its counts from ``ack_sync`` when
-set, and issues the next all_reduce right after its pops.
+one list of what is counted, by position as the stock code counts) and the
+reduce, so the pipelined path counts with the same code;
+``check_hicache_events`` takes its counts from ``ack_sync`` when set, and issues
+the next all_reduce right after its pops.
 ``environ.py``: the two settings, at the end of the radix-cache section.
 ``docs/references/environment_variables.md`` (a checkout only): two rows.
-A checkout's unit tests that build the cache with ``object.__new__`` and run
-``check_hicache_events`` (they set each attribute it reads) set ``ack_sync``.
 
 Everything is located with ``ast`` in the text given; what cannot be found, or
 is found in a shape the edit does not fit, raises :class:`EditError` naming it.
@@ -52,6 +54,10 @@ STORAGE_QUEUES = (
 LOCAL_NAMES = ("write_acks", "load_acks", "storage_queue_sizes", "extra_pool_names")
 # Where __init__ defaults the HiCache collaborators that init_hicache builds.
 INIT_ANCHORS = ("self._storage_attachment", "self.cache_controller")
+CLASS_DEFAULT = f"""# Also a class default (as BasePrefixCache has for cache_controller): a cache
+# built without __init__, as unit tests build one, keeps the blocking path.
+{ATTR}: Optional[{CLASS_NAME}] = None
+"""
 INIT_FIELD = f"""# Pipelines check_hicache_events' ready-count all_reduce; built by
 # init_hicache where the step allows it (None: the blocking all_reduce).
 self.{ATTR}: Optional[{CLASS_NAME}] = None"""
@@ -76,12 +82,11 @@ QUEUES_METHOD = (
 """
 )
 LOCAL_DOC = '"""This rank\'s ready counts, before the all_reduce agrees on them."""'
-LOCAL_COUNT = f"""counts = [
-    self._count_ready_acks(q) if isinstance(q, list) else q.qsize()
-    for q in self.{QUEUES}()
-]
-write_acks, load_acks = counts[:2]
-storage_queue_sizes = tuple(counts[2:])"""
+# By position, as the stock code counts: whatever type a queue has.
+LOCAL_COUNT = f"""write_queue, load_queue, *storage_queues = self.{QUEUES}()
+write_acks = self._count_ready_acks(write_queue)
+load_acks = self._count_ready_acks(load_queue)
+storage_queue_sizes = tuple(q.qsize() for q in storage_queues)"""
 LOCAL_RETURN = f"return {', '.join(LOCAL_NAMES)}"
 LOCAL_CALL = f"""{", ".join(LOCAL_NAMES)} = (
     self.{LOCAL}()
@@ -147,6 +152,17 @@ def _import_edit(tree: ast.Module, path: str) -> tuple[int, int, list[str]]:
     after = [n for n in siblings if (n.module or "").lower() > MODULE.lower()]
     at = after[0].lineno if after else (siblings[-1].end_lineno or siblings[-1].lineno) + 1
     return at, at - 1, [line]
+
+
+def _class_default_edit(cls: ast.ClassDef) -> tuple[int, int, list[str]]:
+    """First in the class body, after a docstring if it has one."""
+    first = cls.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+        at = (first.end_lineno or first.lineno) + 1
+        return at, at - 1, ["", *_indent(CLASS_DEFAULT, first.col_offset)[:-1]]
+    decorators = getattr(first, "decorator_list", [])
+    at = min([first.lineno] + [d.lineno for d in decorators])
+    return at, at - 1, _indent(CLASS_DEFAULT, first.col_offset)
 
 
 def _init_field_edit(fn: ast.FunctionDef, path: str) -> tuple[int, int, list[str]]:
@@ -326,6 +342,7 @@ def edit_cache(text: str, path: str = CACHE_PATH) -> str:
         raise EditError(f"{path} does not import Optional from typing")
     edits = [
         _import_edit(tree, path),
+        _class_default_edit(cls),
         _init_field_edit(methods["__init__"], path),
         _init_edit(methods["init_hicache"], path),
         *_split_edits(methods["_sync_hicache_ready_counts"], lines, path),
@@ -377,49 +394,3 @@ def edit_environ(text: str, path: str = ENVIRON_PATH) -> str:
     anchor = _radix_section_end(cls, lines, path)
     at = (anchor.end_lineno or anchor.lineno) + 1
     return _apply(lines, [(at, at - 1, _indent(ENVIRON_FIELDS, anchor.col_offset))])
-
-
-# --------------------------------------------- a checkout's object.__new__ tests
-NEW_CACHE = f"object.__new__({CACHE_CLASS})"
-
-
-def needs_ack_sync_default(text: str) -> bool:
-    """Whether a test builds the cache without __init__ and runs the step."""
-    return NEW_CACHE in text and "check_hicache_events" in text
-
-
-def edit_object_new_test(text: str, path: str) -> str:
-    """A test that builds caches with ``object.__new__`` sets each attribute
-    check_hicache_events reads; it gets ``ack_sync = None`` after its
-    ``linker = None`` (else right after the cache is made), in every function
-    that makes one."""
-    tree = ast.parse(text)
-    lines = text.split("\n")
-    edits = []
-    for fn in ast.walk(tree):
-        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        made = [
-            s
-            for s in fn.body
-            if isinstance(s, ast.Assign)
-            and ast.unparse(s.value) == NEW_CACHE
-            and len(s.targets) == 1
-            and isinstance(s.targets[0], ast.Name)
-        ]
-        for new in made:
-            name = new.targets[0].id  # type: ignore[attr-defined]
-            after = next(
-                (
-                    s
-                    for s in fn.body
-                    if isinstance(s, ast.Assign)
-                    and [ast.unparse(t) for t in s.targets] == [f"{name}.linker"]
-                ),
-                new,
-            )
-            at = (after.end_lineno or after.lineno) + 1
-            edits.append((at, at - 1, _indent(f"{name}.{ATTR} = None", new.col_offset)))
-    if not edits:
-        raise EditError(f"{path}: no 'x = {NEW_CACHE}' in a function body")
-    return _apply(lines, edits)

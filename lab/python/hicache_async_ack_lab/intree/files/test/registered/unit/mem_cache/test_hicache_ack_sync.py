@@ -64,7 +64,6 @@ def _make_cache(storage=False, pp_size=1, host_memory_mode="cache"):
     cache.tp_world_size = 2
     cache.attn_cp_group = None
     cache.attn_tp_group = None
-    cache.ack_sync = None
     cache._drain_async_work = MagicMock()
     cache._all_reduce = MagicMock()
     cache.cache_controller = SimpleNamespace(
@@ -244,8 +243,10 @@ class TestPipelinedCheckHiCacheEvents(CustomTestCase):
 
 
 class TestBlockingPathUnchanged(CustomTestCase):
-    def test_a_cache_without_init_hicache_reduces_and_pops_in_the_same_step(self):
+    def test_a_cache_built_without_init_reduces_and_pops_in_the_same_step(self):
+        # No ack_sync set: the class default keeps such caches blocking.
         cache = _make_cache()
+        self.assertNotIn("ack_sync", vars(cache))
         ack = _ack()
         cache.cache_controller.ack_write_queue.append(ack)
 
