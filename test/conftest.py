@@ -30,13 +30,14 @@ def plugin():
 def hub(plugin, monkeypatch):
     """Route the plugin's reduce through a one-rank MinHub (a programmable
     peer can join it); FakeGroup sizes stand in for world sizes."""
-    from hicache_async_ack import adapter
+    from hicache_async_ack.kit import collectives as adapter
+    from hicache_async_ack.kit import groups
 
     hub = MinHub(world=1)
     monkeypatch.setattr(
         adapter.INSTALLED, "current", adapter.Collectives(async_min=lambda g: hub.collective(0))
     )
-    monkeypatch.setattr(adapter, "world_size", lambda g: g.size if isinstance(g, FakeGroup) else 1)
+    monkeypatch.setattr(groups, "world_size", lambda g: g.size if isinstance(g, FakeGroup) else 1)
     return hub
 
 

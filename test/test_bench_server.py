@@ -302,7 +302,7 @@ def test_the_local_reduce_is_refused_where_its_answers_would_be_wrong(extra, nam
 
 
 def _register_on_the_adapter(monkeypatch, env):
-    from hicache_async_ack import adapter
+    from hicache_async_ack.kit import collectives as adapter
 
     for k in (bound.CPU_LOCAL_REDUCE_VAR, bound.CPU_BOUND_VAR):
         monkeypatch.delenv(k, raising=False)
@@ -311,12 +311,12 @@ def _register_on_the_adapter(monkeypatch, env):
     monkeypatch.setattr(adapter.INSTALLED, "current", adapter.Collectives())
     patches: dict = {}
     bound.register(patches, {})
-    patches["hicache_async_ack.adapter"](adapter)
+    patches["hicache_async_ack.kit.collectives"](adapter)
     return adapter.collectives().async_min
 
 
 def test_the_local_reduce_answers_the_plugins_reduces_with_the_ranks_own_value(monkeypatch):
-    from hicache_async_ack.adapter import torch_min_all_reduce
+    from hicache_async_ack.kit.collectives import torch_min_all_reduce
 
     issue = _register_on_the_adapter(monkeypatch, LOCAL_ENV)(object())  # no group needed
     handle = issue([3, 5, 9, -9])

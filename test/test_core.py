@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hicache_async_ack import core, env
+from hicache_async_ack import core, depth, env
 from hicache_async_ack import stamp as stamp_mod
 from hicache_async_ack.core import (
     PROTOCOL_VERSION,
@@ -275,9 +275,9 @@ def test_auto_depth_lowers_after_a_clean_streak_and_never_past_its_bounds():
 
 def test_short_waits_are_noise_and_any_wait_outranks_next_pending():
     step = 0.01
-    assert core.observation(core.WAIT_FLOOR_S / 2, False, step) == 0
+    assert core.observation(depth.WAIT_FLOOR_S / 2, False, step) == 0
     assert core.observation(0.0, True, step) == 1
-    assert core.observation(core.WAIT_FLOOR_S, False, step) > core.observation(0.0, True, step)
+    assert core.observation(depth.WAIT_FLOOR_S, False, step) > core.observation(0.0, True, step)
     assert core.observation(100.0, True, step) == core.OBS_MAX  # saturates
 
 

@@ -336,6 +336,10 @@ def test_storage_round_figures_and_headline():
     assert f["storage_hit_share"] == pytest.approx(0.5)
     assert f["blocking_per_pass"] == pytest.approx(2.5)
     assert f["prefetches_per_pass"] == pytest.approx(3.0)
+    assert f["all_reduce_per_deciding_pass"] is None  # no pass had a prefetch to decide
+    f = storage.round_figures(replies, 2.0, {"passes": 10, "prefetch_passes": 4,
+                                             "deciding_all_reduces": 6})  # fmt: skip
+    assert f["all_reduce_per_deciding_pass"] == pytest.approx(1.5)
     assert f["median_ttft_ms"] == pytest.approx(250.0)
     row = {"ratio": "plugin / own 0 ms", "low": 0.96, "high": 1.02, "claim": ">= 0.98"}
     rows = storage.with_headline([row])
@@ -343,6 +347,24 @@ def test_storage_round_figures_and_headline():
     assert rows[1]["verdict"] == "holds"
     assert storage.with_headline([row | {"low": 0.90, "high": 0.94}])[1]["verdict"] == "fails"
     assert storage.with_headline([row | {"low": 0.90}])[1]["verdict"] == "inconclusive"
+
+
+def test_the_counts_attribute_every_all_reduce_to_its_pass(tmp_path):
+    """Blocking and async all_reduces count toward the deciding passes only
+    while the pass they run in has a prefetch in flight."""
+    from hicache_async_ack_lab.cpu_server.mooncake_standins import _Counts
+
+    c = _Counts(tmp_path)
+    c.pass_seen(0)
+    c.collective_seen()  # an idle pass's ack reduce
+    c.pass_seen(3)
+    c.collective_seen(blocking=False)  # the plugin's one async reduce
+    c.pass_seen(2)
+    c.collective_seen()
+    c.collective_seen()  # stock: the ack reduce and one per request
+    v = c.values
+    assert (v["passes"], v["prefetch_passes"], v["blocking"]) == (3, 2, 3)
+    assert v["deciding_all_reduces"] == 3
 
 
 def test_storage_mode_is_a_bench_server_option():

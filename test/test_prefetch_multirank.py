@@ -5,8 +5,9 @@ Every rank sees each deadline at its own pass (rank-specific clock skew) and
 adds the same requests in its own order. Checked: every rank terminates the
 same operations in the same pass; nothing is lost (every prefetch ends exactly
 once, none left); with every waiting request checked each pass, the pipelined
-run stops each operation exactly one pass after stock SGLang's per-request
-reduce does; resets, storage detach mid-prefetch and aborted requests keep all
+run stops each operation exactly two passes after stock SGLang's per-request
+reduce does (the walk's reaches ride the next pass's reduce, consumed one pass
+later); resets, storage detach mid-prefetch and aborted requests keep all
 that; a rank with the votes off stops every rank with an error naming it.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import pytest
 
 from hicache_async_ack.env import PREFETCH_VOTES_VAR
+from hicache_async_ack.features.prefetch_votes import SETTING_FLAG
 from hicache_async_ack.tools.ranks import Job, RanksFailed, run_fresh
 
 WORLD = 4
@@ -64,13 +66,13 @@ def test_same_terminations_in_the_same_pass_and_nothing_lost(results, name):
     assert len(r0["added"]) > 50
 
 
-def test_pipelined_stops_each_operation_one_pass_after_stock(results):
+def test_pipelined_stops_each_operation_two_passes_after_stock(results):
     for per in results:
         stock, piped = per["stock"], per["pipelined"]
         assert stock["added"] == piped["added"]
         s, p = stop_pass(stock), stop_pass(piped)
         assert s.keys() == p.keys() and s
-        assert all(p[k] == s[k] + 1 for k in s), {k: (s[k], p[k]) for k in s if p[k] != s[k] + 1}
+        assert all(p[k] == s[k] + 2 for k in s), {k: (s[k], p[k]) for k in s if p[k] != s[k] + 2}
         assert piped["pipelined"] and not stock["pipelined"]
         assert piped["stopped_on_verdict"] > 0 and stock["stopped_on_verdict"] == 0
         reasons = {why for ended in piped["per_pass"] for _, why in ended}
@@ -88,12 +90,16 @@ def test_lifecycle_events_happened_with_votes_in_flight(results, name):
 
 
 def test_a_rank_with_the_votes_off_stops_every_rank(results):
+    """The ack sync carries the votes, so its first exchange carries their
+    setting and names it, before any vote."""
     for rank, per in enumerate(results):
         r = per["one_rank_off"]
         err = r.get("error", "")
-        assert "PrefetchVoteMismatch" in err and f"{PREFETCH_VOTES_VAR} differs" in err, (rank, err)
+        assert "HiCacheAckSyncMismatch" in err and "layout flags differ" in err, (rank, err)
         mine = "0" if rank == 2 else "1"
-        assert f"this rank {mine}, group min 0, max 1" in err
-        assert r["error_pass"] == 0  # the first pass: the votes' first exchange, before any vote
+        assert f"{PREFETCH_VOTES_VAR}: this rank {mine}" in err, err
+        on = 1 << SETTING_FLAG
+        assert f"max {'0x%x' % (1 | 2 | on)}" in err  # storage, the votes' section, the setting
+        assert r["error_pass"] == 0  # the first pass: the first exchange, before any vote
         assert r["stopped_on_verdict"] == 0
         assert r["seconds"] < GROUP_TIMEOUT

@@ -1,8 +1,10 @@
 """The prefetch votes over real gloo at TP=4 where ranks are not alike.
 
 * SGLang #30760's loop skew: a rank whose waiting-queue loop stops earlier (its
-  batch fills up first) visits fewer requests. The verdicts are applied at the
-  pass boundary to every ongoing operation, so every rank still ends the same
+  batch fills up first) visits fewer requests. A deadline verdict needs every
+  rank to have reached the request in that walk (a rank that did not vetoes,
+  as stock's per-request collective would have needed it there too), and the
+  verdicts are applied at the pass boundary, so every rank still ends the same
   operations the same way in the same pass, whatever each loop visited.
 * buffer_only (the ack sync stays blocking, so its first exchange never runs)
   with a peer without the plugin: the votes run their own first exchange in

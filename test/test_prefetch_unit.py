@@ -1,8 +1,14 @@
 """Prefetch termination votes on the real UnifiedRadixCache (one process).
 
 SGLang's own check_prefetch_progress / _can_terminate_prefetch / deadline timer
-run on upstream's PrefetchOperation; the vote reduce goes through a MinHub
-(a programmable peer stands for the other ranks, or two caches share a hub).
+run on upstream's PrefetchOperation. The votes ride one of two carriers, both
+faked here with a programmable peer standing for the other ranks:
+
+* ``ack``: the ack sync pipelines; the section rides its async reduce (a
+  one-rank MinHub);
+* ``upstream``: the ack sync on SGLang's blocking path (here: turned off); the
+  section rides upstream's own blocking ready-count reduce (``_all_reduce``,
+  faked), after the votes' own first exchange.
 """
 
 from __future__ import annotations
@@ -10,14 +16,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache_async_ack import adapter, guard, votes
+from hicache_async_ack import guard, votes
 from hicache_async_ack.env import ENABLE_VAR, PREFETCH_VOTES_VAR
 from hicache_async_ack.features import prefetch_votes
-from hicache_async_ack.votes import HEADER, LAYOUT, PrefetchVoteMismatch
-from hicache_async_ack_lab.sim.collectives import MinHub
+from hicache_async_ack.stamp import HiCacheAckSyncMismatch
+from hicache_async_ack.votes import ADMIT, HEADER, LAYOUT, PrefetchVoteMismatch
 from hicache_async_ack_lab.sim.prefetch import add_prefetch
 
-NO_ACK_SYNC = {ENABLE_VAR: "0"}  # keep the ack reduce out of these hubs (hooks stay)
+UPSTREAM = {ENABLE_VAR: "0"}  # the ack sync stands down (its hooks stay): upstream carries
+COUNTS = 6  # upstream's ready counts with storage: 2 ack queues + 4 storage queues
+ACK_SECTION = COUNTS + 2 + 2  # where the section starts in the ack sync's reduce
+STAMP_MIN = 1 << 58  # a stamp, never upstream's bare digest
 
 
 @pytest.fixture
@@ -28,212 +37,213 @@ def this_release(plugin, monkeypatch):
 
 
 @pytest.fixture
-def vote_hub(monkeypatch):
-    return MinHub(world=1)
+def make_prefetch(make_cache, hub, this_release):
+    """A cache with storage and the prefetch path. ``carrier="upstream"``: the
+    fake ``_all_reduce`` records upstream's per-request reduces (``ps.blocking``),
+    the votes' first exchange (``ps.greets``) and the ready-count reduces the
+    section rides (``ps.rides``), each MIN-ed with ``ps.peer`` if set."""
 
-
-@pytest.fixture
-def make_prefetch(make_cache, plugin, vote_hub, monkeypatch, this_release):
-    """A cache with storage and the prefetch path; its votes go to ``vote_hub``
-    (rank ``rank`` of it); upstream's blocking reduce is counted."""
-
-    def make(rank=0, hub=None, policy="timeout", deadline=None, timeout_s=3600.0, env=None):
-        sim = make_cache(tp=2, storage=True, env={**NO_ACK_SYNC, **(env or {})})
+    def make(carrier="upstream", policy="timeout", deadline=None, timeout_s=3600.0, env=None):
+        env = {**(UPSTREAM if carrier == "upstream" else {}), **(env or {})}
+        sim = make_cache(tp=2, storage=True, env=env)
         ps = add_prefetch(sim, policy=policy, timeout_s=timeout_s, deadline=deadline)
-        ps.blocking = []  # upstream's per-request reduces (world of one: a no-op)
-        ps.greets = []  # the votes' first exchange (upstream's ack-count shape)
-        ps.greet_peer = None  # a peer's values for it, MIN-ed in
+        ps.blocking, ps.greets, ps.rides = [], [], []
+        ps.peer = None
 
         def all_reduce(t, op):
-            if t.numel() == 1:  # the per-request vote (the ack reduce is longer)
+            if t.numel() == 1:  # the per-request vote (a 0-d tensor)
                 ps.blocking.append(t.item())
-            elif t[-2].item() >= 1 << 58:  # a stamp, not upstream's digest: the greeting
-                ps.greets.append(t.tolist())
-                if ps.greet_peer is not None:
-                    peer = ps.greet_peer(t.tolist())
-                    t.copy_(torch.tensor([min(a, b) for a, b in zip(t.tolist(), peer)]))
+                return
+            values = t.tolist()
+            if len(values) == COUNTS + 2 and values[-2] >= STAMP_MIN:
+                ps.greets.append(values)  # a first exchange (the ack sync's or the votes')
+            elif len(values) == COUNTS + 2 + LAYOUT:
+                ps.rides.append(values)  # upstream's ready counts with the section
+            if ps.peer is not None:
+                peer = ps.peer(values)
+                t.copy_(torch.tensor([min(a, b) for a, b in zip(values, peer)]))
 
         sim.cache.__dict__["_all_reduce"] = all_reduce
-        h = hub or vote_hub
-        monkeypatch.setattr(
-            adapter.INSTALLED,
-            "current",
-            adapter.Collectives(async_min=lambda g: h.collective(rank)),
-        )
-        ps.state = prefetch_votes.attach(sim.cache)
+        ps.state = prefetch_votes.FEATURE.attach(sim.cache)
         return ps
 
     return make
 
 
 def run_pass(ps, handles=None):
-    """One scheduling pass: check_hicache_events, then the waiting requests (those
-    waiting when the pass began: one the pass boundary ended reads True)."""
+    """One scheduling pass: check_hicache_events, then the walk over the waiting
+    requests (those waiting when the pass began: one the boundary ended reads True)."""
     handles = list(ps.cache.ongoing_prefetch) if handles is None else handles
     ps.cache.check_hicache_events()
     return {(h.rid, h.attempt_id): ps.check(h) for h in handles}
 
 
-def stop_slot(hub, index):
-    """A peer that votes to stop the operation in slot ``index`` of vote reduces."""
+def expire_slot(start, index):
+    """A peer whose deadline passed for the operation in vote slot ``index`` (and
+    reached it), for reduces that carry a section at ``start``."""
 
     def peer(values):
         out = list(values)
-        if len(values) == LAYOUT:
-            out[HEADER + index] = 0
+        if len(values) >= start + LAYOUT:
+            out[start + HEADER + ADMIT + index] = votes.REACHED_EXPIRED
         return out
 
-    hub.peer = peer
+    return peer
 
 
-def test_one_vote_reduce_per_pass_replaces_the_per_request_reduces(make_prefetch, vote_hub):
+def test_upstream_carrier_one_reduce_per_pass_replaces_the_per_request_reduces(make_prefetch):
     ps = make_prefetch()
     hs = [ps.add(r) for r in ("b", "a", "c")]
-    # pass 1: the first exchange, then the first vote reduce; nothing voted yet
+    # pass 1: the votes' first exchange, then the section rides upstream's reduce
     assert run_pass(ps) == {(h.rid, 0): False for h in hs}
     assert ps.blocking == []  # no collective per request
     (greet,) = ps.greets  # upstream's shape: 2 ack + 4 storage counts, then [x, -x]
-    assert len(greet) == 8 and greet[:2] == [1, -1] and greet[2:6] == [0] * 4
-    (vote,) = vote_hub.issued
-    assert len(vote) == LAYOUT and vote[:2] == [3, -3]
-    stop_slot(vote_hub, 1)  # slot order is key order: a, b, c -> "b"
-    out = run_pass(ps)  # pass 2: the verdicts of pass 1, applied at the pass boundary
+    assert greet[:2] == [1, -1] and greet[2:6] == [0] * 4
+    (ride,) = ps.rides
+    assert ride[COUNTS + 2 : COUNTS + 4] == [3, -3]  # the section: 3 operations
+    ps.peer = expire_slot(COUNTS + 2, 1)  # slot order is key order: a, b, c -> "b"
+    out = run_pass(ps)  # pass 2: the walk of pass 1 (every request reached) is voted on
     assert out == {("b", 0): True, ("a", 0): False, ("c", 0): False}
     assert ps.ended == [(("b", 0), "deadline")]
     assert ps.blocking == [] and ps.state.stopped == 1
-    assert len(vote_hub.issued) == 2 and len(ps.greets) == 1  # one more vote, nothing else
+    assert len(ps.rides) == 2 and len(ps.greets) == 1  # one reduce per pass, nothing else
 
 
-def test_verdict_is_one_pass_late_on_the_real_timer(make_prefetch):
+def test_ack_carrier_rides_the_ack_reduce_with_no_exchange_of_its_own(make_prefetch, hub):
+    ps = make_prefetch(carrier="ack")
+    ps.add("a")
+    run_pass(ps)
+    (greet,) = ps.greets  # the ack sync's first exchange, carrying the votes' flags
+    flags = 1 << prefetch_votes.VOTES_FLAG | 1 << prefetch_votes.SETTING_FLAG | 1
+    assert greet[:2] == [flags, -flags]
+    (fused,) = hub.issued  # one async reduce: ack counts, stamp, flags, the section
+    assert len(fused) == ACK_SECTION + LAYOUT and fused[COUNTS + 2 : COUNTS + 4] == [flags, -flags]
+    hub.peer = expire_slot(ACK_SECTION, 0)
+    assert run_pass(ps) == {("a", 0): False}  # the walk of pass 1 rides the reduce of pass 2
+    assert run_pass(ps) == {("a", 0): True}  # ... consumed at pass 3
+    assert ps.ended == [(("a", 0), "deadline")]
+    assert ps.blocking == [] and len(hub.issued) == 3 and len(ps.greets) == 1
+
+
+def test_a_deadline_ends_only_where_every_rank_reached_it(make_prefetch, hub):
+    ps = make_prefetch(carrier="ack")
+    ps.add("a")
+    hub.peer = expire_slot(ACK_SECTION, 0)
+    for _ in range(4):
+        assert run_pass(ps, handles=[]) == {}  # the walk never reaches "a" here
+    assert ps.ended == [] and ps.state.stopped == 0
+
+
+def test_verdict_on_the_real_timer_one_pass_after_the_walk(make_prefetch):
     ps = make_prefetch(timeout_s=0.0)
     h = ps.add("r")
-    run_pass(ps)  # blocking pass: not expired yet, upstream starts the timer
-    assert "r" not in [k[0] for k, _ in ps.ended]
-    assert run_pass(ps) == {("r", 0): False}  # votes "expired" now, no verdict yet
-    assert run_pass(ps) == {("r", 0): True}  # the group's verdict, one pass later
+    assert run_pass(ps) == {("r", 0): False}  # first reach: upstream starts the timer
+    assert run_pass(ps) == {("r", 0): False}  # reached expired; its section rides next
+    assert run_pass(ps) == {("r", 0): True}  # the group's verdict, at this boundary
     assert ps.ended == [(("r", 0), "deadline")]
     assert ps.cache._storage_prefetch_wait[h].expired  # upstream's agreed-verdict mark
 
 
-def test_verdicts_follow_operations_by_identity(make_prefetch, vote_hub):
+def test_verdicts_follow_operations_by_identity(make_prefetch):
     ps = make_prefetch()
     for _ in range(2):
         run_pass(ps)
     h = ps.add("x")
-    run_pass(ps, handles=[])  # "x" is voted on at this pass
-    stop_slot(vote_hub, 0)
+    run_pass(ps)  # "x" reached in this walk
+    ps.peer = expire_slot(COUNTS + 2, 0)
     ps.revoke(h)  # aborted in between; a new attempt takes the same request id
     ps.add("x")
-    vote_hub.peer = None
-    out = run_pass(ps)
-    assert out == {("x", 0): False}  # the verdict was for the revoked operation
-    assert ps.ended == [(("x", 0), "dropped")]
+    out = run_pass(ps, handles=[])
+    assert out == {} and ps.ended == [(("x", 0), "dropped")]  # the verdict was the revoked one's
 
 
-def test_reset_and_detach_between_issue_and_consume(make_prefetch, vote_hub):
+def test_reset_and_detach_between_walk_and_verdict(make_prefetch):
     ps = make_prefetch()
     for _ in range(2):
         run_pass(ps)
     ps.add("a"), ps.add("b")
-    run_pass(ps, handles=[])
-    stop_slot(vote_hub, 0)
+    run_pass(ps)
+    ps.peer = expire_slot(COUNTS + 2, 0)
     ps.reset()
     assert run_pass(ps) == {}  # nothing left to ask about; no error, no stop
     ps.add("c")
-    run_pass(ps, handles=[])
-    ps.detach()  # storage detached mid-prefetch: the vote in flight is drained
-    issued = len(vote_hub.issued)
+    run_pass(ps)
+    ps.detach()  # storage detached mid-prefetch: no section rides, nothing stops
+    rides = len(ps.rides)
     assert run_pass(ps) == {}
-    assert len(vote_hub.issued) == issued and not ps.state.active
-    assert vote_hub.handles[-1].waited
+    assert not ps.state.active and len(ps.rides) == rides
     assert [k for k, _ in ps.ended] == [("a", 0), ("b", 0), ("c", 0)]
     assert all(reason == "dropped" for _, reason in ps.ended)
 
 
-def test_same_verdicts_whatever_order_requests_arrive_in(make_prefetch):
-    hub = MinHub(world=2)
-    expired = {0: {"m"}, 1: {"q"}}  # each rank's own clock
-    ranks = [
-        make_prefetch(rank=r, hub=hub, deadline=lambda op, r=r: op.request_id in expired[r])
-        for r in (0, 1)
-    ]
-    for ps in ranks:
-        # one thread runs both "ranks": the blocking agreement cannot pair here
-        # (the gloo tests run it); start them agreed
-        ps.state.agreed = True
-        run_pass(ps, handles=[])
-    for ps, order in zip(ranks, ("mqz", "zqm")):
-        for rid in order:
-            ps.add(rid)
-    for ps in ranks:
-        run_pass(ps, handles=[])
-    outs = [run_pass(ps) for ps in ranks]
-    assert outs[0] == outs[1] == {("m", 0): True, ("q", 0): True, ("z", 0): False}
-    assert sorted(ranks[0].ended) == sorted(ranks[1].ended)
-
-
-def test_ranks_that_disagree_on_the_set_stop_before_any_verdict(make_prefetch, vote_hub):
+def test_ranks_that_disagree_on_the_set_stop_before_any_verdict(make_prefetch):
     ps = make_prefetch()
-    for _ in range(2):
-        run_pass(ps)
     ps.add("a")
-    run_pass(ps, handles=[])
-    vote_hub.peer = lambda v: [2, -2, *v[2:]] if len(v) == LAYOUT else v
+    run_pass(ps)
+    at = COUNTS + 2
+    ps.peer = lambda v: v[:at] + [2, -2] + v[at + 2 :] if len(v) == at + LAYOUT else v
     with pytest.raises(PrefetchVoteMismatch, match="number of ongoing storage prefetch"):
         run_pass(ps)
     assert ps.ended == []
 
 
-def test_same_count_other_requests_is_a_mismatch(make_prefetch, vote_hub):
+def test_same_count_other_requests_is_a_mismatch(make_prefetch):
     ps = make_prefetch()
-    for _ in range(2):
-        run_pass(ps)
     ps.add("a")
-    run_pass(ps, handles=[])
+    run_pass(ps)
     other = votes.pack_stamp(votes.VOTES_PROTOCOL, False, 1, votes.set_digest([("z", 0)]), 0)
+    at = COUNTS + 4
 
     def peer(v):
-        if len(v) != LAYOUT:
+        if len(v) != COUNTS + 2 + LAYOUT:
             return v
-        return [v[0], v[1], min(v[2], other), min(v[3], -other), *v[4:]]
+        return v[:at] + [min(v[at], other), min(v[at + 1], -other)] + v[at + 2 :]
 
-    vote_hub.peer = peer
+    ps.peer = peer
     with pytest.raises(PrefetchVoteMismatch, match="not the same requests"):
         run_pass(ps)
 
 
-def test_a_peer_with_the_votes_off_stops_at_the_agreement(make_prefetch, vote_hub):
+def test_a_peer_with_the_votes_off_stops_at_the_agreement(make_prefetch):
     ps = make_prefetch()
-    ps.greet_peer = lambda v: [0, 0, *v[2:]]
+    ps.peer = lambda v: [0, 0, *v[2:]] if v in ps.greets else v
     with pytest.raises(PrefetchVoteMismatch, match=f"{PREFETCH_VOTES_VAR} differs"):
         run_pass(ps)
-    assert len(ps.greets) == 1 and vote_hub.issued == []  # the first exchange only
+    assert len(ps.greets) == 1 and ps.rides == []  # the first exchange only
 
 
-def test_a_stock_peer_is_named_at_the_votes_first_exchange(make_prefetch, vote_hub):
+def test_a_peer_with_the_votes_off_stops_the_ack_carriers_first_exchange(make_prefetch):
+    ps = make_prefetch(carrier="ack")
+    ps.peer = lambda v: [1, -1, *v[2:]] if v in ps.greets else v  # storage only, votes off
+    with pytest.raises(HiCacheAckSyncMismatch, match=PREFETCH_VOTES_VAR) as err:
+        run_pass(ps)
+    assert "this rank 1" in str(err.value)
+
+
+def test_a_stock_peer_is_named_at_the_votes_first_exchange(make_prefetch):
     ps = make_prefetch()
-    ps.greet_peer = lambda v: [0] * (len(v) - 2) + [12345, -12345]  # a bare digest
+    ps.peer = lambda v: [0] * (len(v) - 2) + [12345, -12345] if v in ps.greets else v
     with pytest.raises(PrefetchVoteMismatch, match="this node pipelines, a peer does not"):
         run_pass(ps)
-    assert vote_hub.issued == []
+    assert ps.rides == []
 
 
-def test_votes_off_keeps_upstreams_reduce_after_agreeing(make_prefetch, vote_hub):
+def test_votes_off_keeps_upstreams_reduce_after_agreeing(make_prefetch):
     ps = make_prefetch(env={PREFETCH_VOTES_VAR: "0"})
     ps.add("a")
     for _ in range(3):
         run_pass(ps)
-    assert len(ps.blocking) == 3 and vote_hub.issued == []
+    assert len(ps.blocking) == 3 and ps.rides == []
     assert len(ps.greets) == 1 and ps.greets[0][:2] == [0, 0]
 
 
 @pytest.mark.parametrize("policy, result", [("best_effort", True), ("wait_complete", False)])
-def test_other_policies_stay_upstreams(make_prefetch, vote_hub, policy, result):
+def test_other_policies_stay_upstreams(make_prefetch, policy, result):
     ps = make_prefetch(policy=policy)
     ps.add("a")
     outs = [run_pass(ps) for _ in range(3)]
     assert outs[0] == {("a", 0): result}
-    assert vote_hub.issued == [] and ps.blocking == []
+    assert ps.rides == [] and ps.blocking == []
     assert "runs no collective" in ps.state.decide(ps.cache).reason
 
 
@@ -242,7 +252,7 @@ def test_pp_and_untested_releases_stand_down(make_prefetch, plugin, monkeypatch)
     ps.cache.__dict__["pp_size"] = 2
     assert "pp_size=2" in ps.state.eligible(ps.cache).reason
     monkeypatch.setattr(guard, "JUDGED", guard.Judged(None, False, True))  # no release matched
-    state = prefetch_votes.attach(ps.cache)
+    state = prefetch_votes.FEATURE.attach(ps.cache)
     assert not state.static.pipelined and state.static.code == "untested_release"
 
 
@@ -268,15 +278,20 @@ def test_window_covers_every_operation_when_there_are_more_than_slots():
     assert seen == set(range(n))
 
 
-def test_attention_cp_x_tp_stands_down(make_cache, plugin, this_release):
+def test_attention_cp_x_tp_rides_where_one_tp_group_spans_both(make_cache, plugin, this_release):
     from hicache_async_ack_lab.sim.collectives import FakeGroup
 
-    sim = make_cache(
-        tp=4, storage=True, attn_cp_group=FakeGroup(2, "cp"), attn_tp_group=FakeGroup(2, "atp")
-    )
-    add_prefetch(sim)
-    state = prefetch_votes.attach(sim.cache)
-    assert not state.static.pipelined and "attention CP x TP" in state.static.reason
+    def votes_of(cp: int, atp: int, tp: int):
+        sim = make_cache(
+            tp=tp, storage=True, attn_cp_group=FakeGroup(cp, "cp"), attn_tp_group=FakeGroup(atp)
+        )
+        add_prefetch(sim)
+        return prefetch_votes.FEATURE.attach(sim.cache).static
+
+    spans = votes_of(2, 2, 4)
+    assert spans.pipelined and spans.span is not None  # the TP group, checked at the first step
+    dp_attention = votes_of(2, 2, 8)
+    assert not dp_attention.pipelined and dp_attention.code == "no_span"
 
 
 class Sink:
@@ -298,16 +313,14 @@ class Sink:
         pass
 
 
-def test_metrics_count_the_voted_and_time_only_due_reduces(make_prefetch):
+def test_metrics_count_the_voted_operations(make_prefetch):
     """operations_total counts the operations voted on (at most the slots per
-    pass), and the wait histogram only sees passes that had a reduce due."""
+    pass); the wait is the carrier's (the votes add no collective to wait on)."""
     ps = make_prefetch()
     for i in range(votes.VOTE_SLOTS + 44):
         ps.add(f"r{i:04d}")
     ps.state.metrics = sink = Sink()
     for _ in range(4):
         run_pass(ps)
-    assert len(sink.passes) >= 2  # the pipelined passes (the first runs upstream's path)
-    assert all(voted == votes.VOTE_SLOTS for _, voted in sink.passes)
-    assert sink.passes[0][0] is None  # nothing was due at the first pipelined pass
-    assert all(w is not None for w, _ in sink.passes[1:])
+    assert len(sink.passes) == 4
+    assert all(voted == votes.VOTE_SLOTS and wait is None for wait, voted in sink.passes)

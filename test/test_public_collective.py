@@ -4,7 +4,7 @@ SGLang-style unit tests with a stand-in group) sees our collective too."""
 
 from __future__ import annotations
 
-from hicache_async_ack import adapter
+from hicache_async_ack.kit import collectives as adapter
 
 
 class _Work:

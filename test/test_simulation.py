@@ -18,8 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache_async_ack import adapter, core
+from hicache_async_ack import core
 from hicache_async_ack.env import DEPTH_VAR
+from hicache_async_ack.kit import collectives as adapter
+from hicache_async_ack.kit import groups
 from hicache_async_ack_lab.sim.clock import ModelClock, modelled
 from hicache_async_ack_lab.sim.collectives import MinHub
 from hicache_async_ack_lab.testing import scenarios
@@ -40,7 +42,7 @@ def _route_through_hub(mp: pytest.MonkeyPatch) -> None:
         "current",
         adapter.Collectives(async_min=lambda g: g.hub.collective(g.rank)),
     )
-    mp.setattr(adapter, "world_size", lambda g: g.size)
+    mp.setattr(groups, "world_size", lambda g: g.size)
     mp.setattr(scenarios, "process_settings", None)
     for var in scenarios.SETTINGS_VARS:
         mp.delenv(var, raising=False)
@@ -113,7 +115,7 @@ def simulate(
             if ev in LOCAL_DRAIN_EVENTS:  # storage pops there are local by design
                 pre = [[p for p in pops if p[0] in ACK_KINDS] for pops in pre]
             checks = [d.sim.cache.check_hicache_events for d in drivers]
-            if not all(d.state.greeted for d in drivers):
+            if not all(d.state.agreed for d in drivers):
                 _run_threads(checks)  # the first step's exchange is blocking
             else:
                 for check in checks:

@@ -6,7 +6,7 @@ import pytest
 
 from hicache_async_ack.core import PROTOCOL_VERSION, HiCacheAckSyncError, Stamp
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR
-from hicache_async_ack.features import ack_sync
+from hicache_async_ack.features import ack_step, ack_sync, prefetch_votes
 from hicache_async_ack_lab.sim.collectives import FakeGroup
 
 
@@ -24,12 +24,23 @@ def stamp_slot(depth=1, digest=0):
     return [x, -x]
 
 
+# The layout flags these caches send ([f, -f] after the stamp): the votes'
+# setting (on by default; these caches have no prefetch policy, so no section),
+# plus the storage bit where a backend is attached.
+VOTES_SETTING = 1 << prefetch_votes.SETTING_FLAG
+STORAGE = 1 << ack_step.STORAGE_FLAG
+
+
+def flags_slot(flags=VOTES_SETTING):
+    return [flags, -flags]
+
+
 def test_first_step_issues_one_reduce_and_pops_nothing(make_cache, hub):
     sim = make_cache(tp=2)
     acks(sim, "write", 2)
     sim.cache.check_hicache_events()
     assert sim.take_pops() == []
-    assert hub.issued == [[2, 0, *stamp_slot()]]
+    assert hub.issued == [[2, 0, *stamp_slot(), *flags_slot()]]
     assert hub.handles and all(not h.waited for h in hub.handles)
 
 
@@ -87,7 +98,7 @@ def test_never_pops_an_unfinished_ack(make_cache, hub):
 def test_digest_mismatch_raises_ranks_diverged(make_cache, hub):
     sim = make_cache(tp=2)
     sim.tree.write_back_duplicate_reclaim_digest = 7
-    hub.peer = lambda v: v[:-2] + stamp_slot(digest=5)
+    hub.peer = lambda v: v[:2] + stamp_slot(digest=5) + v[4:]
     sim.cache.check_hicache_events()
     with pytest.raises(HiCacheAckSyncError, match="ranks diverged"):
         sim.cache.check_hicache_events()
@@ -115,7 +126,17 @@ def test_storage_counts_use_upstream_layout_and_drain(make_cache, hub):
     e_ext = sim.cc.put_storage(("extra", "mamba"))
     w = acks(sim, "write", 1)
     sim.cache.check_hicache_events()
-    assert hub.issued[0] == [1, 0, 1, 0, 2, 1, 1, *stamp_slot()]
+    assert hub.issued[0] == [
+        1,
+        0,
+        1,
+        0,
+        2,
+        1,
+        1,
+        *stamp_slot(),
+        *flags_slot(VOTES_SETTING | STORAGE),
+    ]
     # the peer has one backup ack fewer
     sim.cc.put_storage("ack_backup_queue")
     hub.peer = lambda v: [v[0], v[1], v[2], v[3], v[4] - 1] + v[5:]
@@ -160,7 +181,7 @@ def test_switch_to_blocking_consumes_pending_first(make_cache, hub):
     # the pending agreement popped 2, the blocking sync counted the 3rd
     assert log[-1][1][:2] == [1, 0]
     assert sim.take_pops() == [("write", u) for u in w]
-    assert ack_sync.state_of(sim.cache).sync.pending == 0
+    assert ack_sync.FEATURE.state_of(sim.cache).sync.pending == 0
 
 
 def test_opt_out_env_keeps_blocking_path(make_cache, hub):
@@ -209,10 +230,10 @@ def test_depth_two_consumes_the_reduce_issued_two_steps_ago(make_cache, hub):
 )
 def test_eligibility_rules(make_cache, plugin, monkeypatch, kwargs, changes, pipelined, reason):
     # CP x TP: whether a group spans both is decided over real gloo (multirank tests)
-    monkeypatch.setattr(ack_sync, "spanning_group", lambda cache, cp, tp: None)
+    monkeypatch.setattr(ack_step, "spanning_group", lambda cache, cp, tp: None)
     sim = make_cache(**kwargs)
     sim.cache.__dict__.update(changes)
-    decision = ack_sync.state_of(sim.cache).decide(sim.cache)
+    decision = ack_sync.FEATURE.state_of(sim.cache).decide(sim.cache)
     assert decision.pipelined is pipelined
     assert reason in decision.reason
 
@@ -228,7 +249,7 @@ def test_subclass_overriding_check_hicache_events_stays_blocking(plugin, hub):
 
     sim = build_cache(tp_group=FakeGroup(2), tp_world_size=2)
     sim.cache.__class__ = Custom
-    decision = ack_sync.attach(sim.cache).decide(sim.cache)
+    decision = ack_sync.FEATURE.attach(sim.cache).decide(sim.cache)
     assert not decision.pipelined and "overridden" in decision.reason
 
 
@@ -251,11 +272,11 @@ def test_cp_x_tp_pipelines_over_the_spanning_group(make_cache, plugin, monkeypat
         spans.append((cp.name, tp.name))
         return cache.tp_group
 
-    monkeypatch.setattr(ack_sync, "spanning_group", spanning)
+    monkeypatch.setattr(ack_step, "spanning_group", spanning)
     sim = make_cache(tp=4, attn_cp_group=FakeGroup(2, "cp"), attn_tp_group=FakeGroup(2, "atp"))
     assert spans == []  # nothing gathered at init: a stock peer would not take part
     sim.cache.check_hicache_events()  # the first exchange, then the layout check
-    decision = ack_sync.state_of(sim.cache).decide(sim.cache)
+    decision = ack_sync.FEATURE.state_of(sim.cache).decide(sim.cache)
     assert spans == [("cp", "atp")]
     assert decision.pipelined and decision.group is sim.cache.tp_group
     assert decision.reason == "TP group, equal to attn CP(2) x attn TP(2)"
@@ -270,7 +291,10 @@ def test_first_step_starts_with_a_stamped_exchange_in_upstreams_shape(make_cache
     _fake_blocking_reduce(sim, log)
     acks(sim, "write", 2)
     sim.cache.check_hicache_events()
-    assert log == [("blocking", [0] * 7 + stamp_slot(digest=5))]
+    # the flags ride in the first two count slots (after the stamp check)
+    assert log == [
+        ("blocking", flags_slot(VOTES_SETTING | STORAGE) + [0] * 5 + stamp_slot(digest=5))
+    ]
     assert len(hub.issued) == 1  # then the first pipelined reduce
     sim.cache.check_hicache_events()
     assert len(log) == 1  # once per cache
@@ -313,9 +337,9 @@ def test_second_sync_in_one_step_raises_before_popping_again(make_cache, hub):
         write, load, storage, extra = cache._sync_hicache_ready_counts()
         cache.writing_check(finish_count=write)
 
-    state = ack_sync.state_of(sim.cache)
+    state = ack_sync.FEATURE.state_of(sim.cache)
     with pytest.raises(HiCacheAckSyncError, match="called twice in one check_hicache_events"):
-        ack_sync.pipelined_check_hicache_events(state, sim.cache, asks_twice)
+        ack_step.check_hicache_events(state, sim.cache, asks_twice)
     assert sim.take_pops() == [("write", u) for u in w]  # the agreed two, once
 
 
@@ -337,7 +361,7 @@ def test_a_depth_change_while_standing_down_is_logged_and_exported(
     from hicache_async_ack.core import Consumed
 
     sim = make_cache(env={DEPTH_VAR: "auto"})
-    state = ack_sync.state_of(sim.cache)
+    state = ack_sync.FEATURE.state_of(sim.cache)
     sim.cache.check_hicache_events()
     sim.cache.check_hicache_events()
     assert state.sync is not None and state.sync.pending

@@ -17,13 +17,15 @@ from hicache_async_ack import fingerprint, sglang_plugin
 from hicache_async_ack import guard as upstream
 from hicache_async_ack.env import ALLOW_UNTESTED_VAR, ENABLE_VAR
 from hicache_async_ack.fingerprint import fingerprint_function
-from hicache_async_ack.guard import TARGETS, check_installed
+from hicache_async_ack.guard import ALL, TARGETS, check_installed
+from hicache_async_ack.names import TITLES
 from hicache_async_ack.tools import doctor
 from hicache_async_ack_lab import releases
 from hicache_async_ack_lab.testing.drift import (
     drifted,
     drifted_module_source,
     extra_return_field,
+    no_op_first,
     renamed_last_param,
 )
 
@@ -42,14 +44,22 @@ def cache_cls():
 
 @pytest.fixture
 def registered(monkeypatch, caplog):
-    """register() with HookRegistry.register recording instead of registering."""
+    """register() with HookRegistry.register recording instead of registering:
+    the targets of the sync hooks; ``run.features`` the features they serve,
+    ``run.inert`` the syncs the path-info hooks mark off (and why)."""
     from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from hicache_async_ack.kit.hooks import hooked_for
 
     calls: list = []
 
-    def record(target, fn, *a, **k):  # the sync hooks (not the inert path-info one)
-        if fn.__name__ != "after_init_hicache_path_info":
+    def record(target, fn, *a, **k):
+        if fn.__name__ == "after_init_hicache_path_info":
+            reason, syncs = (c.cell_contents for c in fn.__closure__)
+            run.inert.update({sync: reason for sync in syncs})
+        else:
             calls.append(target)
+            run.features.update(hooked_for(fn))
 
     monkeypatch.setattr(HookRegistry, "register", record)
     for var in (ENABLE_VAR, ALLOW_UNTESTED_VAR):
@@ -60,6 +70,7 @@ def registered(monkeypatch, caplog):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         calls.clear()
+        run.features, run.inert = set(), {}
         sglang_plugin.register()
         return list(calls)
 
@@ -210,13 +221,19 @@ def test_unreadable_table_keeps_stock_behaviour(registered, caplog, monkeypatch,
 
 def test_recorded_table_matches_installed_release():
     """The SGLang this suite runs on (each tested release in turn) is recorded,
-    and every live fingerprint equals its record."""
+    and every live fingerprint equals its record: every feature is tested there,
+    or recorded as absent (0.5.20's decode offload, 0.5.20-0.5.22's votes
+    predicate)."""
     verdict = check_installed()
     assert verdict.installed in verdict.tested, verdict.installed
-    assert verdict.status == "tested", [m.describe() for m in verdict.methods]
-    assert verdict.release == verdict.installed
+    judged = verdict.features()
+    assert [f.feature for f in judged] == list(ALL)
+    for f in judged:
+        assert f.status in ("tested", "absent"), (f, [m.describe() for m in verdict.methods])
+        assert f.changed == () and f.problems == ()
+        assert f.release == (verdict.installed if f.status == "tested" else None)
+    assert verdict.feature("ack_counts").status == "tested"
     assert verdict.in_range
-    assert verdict.changed == []
 
 
 def test_table_is_what_record_writes_from_the_wheel(tmp_path):
@@ -252,7 +269,9 @@ TABLE = {
 
 def test_verdict_matches_one_release_method_for_method():
     v = upstream.judge(_probes(TABLE["1.0.2"]), "1.0.2", TABLE)
-    assert (v.status, v.matched, v.release, v.in_range) == ("tested", ("1.0.2",), "1.0.2", True)
+    for f in v.features():
+        assert (f.status, f.release) == ("tested", "1.0.2"), f
+    assert v.in_range
     same = {m.target.label: m.same_as for m in v.methods}
     assert same[SYNC] == ("1.0.2",) and same["check_hicache_events"] == ("1.0.1", "1.0.2")
 
@@ -263,23 +282,53 @@ def test_verdict_mixing_two_releases_is_untested():
     mixed["UnifiedRadixCache.check_hicache_events"] = "b-check_hicache_events"
     TABLE_3 = dict(TABLE, **{"1.0.3": dict(mixed, **{SYNC_QUALNAME: "a-" + SYNC})})
     v = upstream.judge(_probes(mixed), "1.0.4", TABLE_3)
-    assert v.status == "untested" and v.matched == ()
-    assert v.reference == "1.0.3" and v.changed == [SYNC_QUALNAME]
-    assert "outside the tested range 1.0.1 to 1.0.3" in v.summary()
+    ack = v.feature("ack_counts")
+    assert ack.status == "untested" and ack.release is None
+    assert v.reference == "1.0.3" and ack.changed == (SYNC_QUALNAME,)
+    assert "outside the tested range 1.0.1 to 1.0.3" in ack.summary(v)
+    assert v.feature("decode_offload").status == "tested"  # none of its methods is mixed
 
 
 def test_verdict_newer_version_same_methods_runs_and_says_so():
     v = upstream.judge(_probes(TABLE["1.0.2"]), "1.0.9", TABLE)
-    assert v.status == "tested" and v.release == "1.0.2" and not v.in_range
-    assert "outside the tested range 1.0.1 to 1.0.2" in v.summary()
+    ack = v.feature("ack_counts")
+    assert ack.status == "tested" and ack.release == "1.0.2" and not v.in_range
+    assert "outside the tested range 1.0.1 to 1.0.2" in ack.summary(v)
 
 
 def test_verdict_in_range_version_with_other_body_names_the_method():
     prints = dict(TABLE["1.0.1"], **{SYNC_QUALNAME: "zzz"})
     v = upstream.judge(_probes(prints), "1.0.1", TABLE)
-    assert v.status == "untested" and v.reference == "1.0.1"
-    assert v.changed == [SYNC_QUALNAME]
-    assert f"{SYNC_QUALNAME} differs from what was recorded for 1.0.1" in v.summary()
+    ack = v.feature("ack_counts")
+    assert ack.status == "untested" and v.reference == "1.0.1"
+    assert ack.changed == (SYNC_QUALNAME,)
+    assert f"{SYNC_QUALNAME} differs from what was recorded for 1.0.1" in ack.summary(v)
+
+
+def exclusive_method(feature: str) -> str:
+    """A method only ``feature`` wraps or relies on (its mutant moves only it)."""
+    return next(t.qualname for t in TARGETS if t.features == (feature,))
+
+
+@pytest.mark.parametrize("feature", ALL)
+def test_a_mutant_of_one_features_method_stops_only_that_feature(feature):
+    """One table for all three, one verdict per feature: a release where one
+    method only ``feature`` relies on changed leaves the other two tested."""
+    qualname = exclusive_method(feature)
+    prints = dict(TABLE["1.0.2"], **{qualname: "mutant"})
+    v = upstream.judge(_probes(prints), "1.0.2", TABLE)
+    judged = {f.feature: f for f in v.features()}
+    assert judged[feature].status == "untested" and judged[feature].changed == (qualname,)
+    others = [f for name, f in judged.items() if name != feature]
+    assert len(others) == 2 and all(f.status == "tested" for f in others), others
+
+
+def test_a_mutant_of_a_shared_method_stops_every_feature_that_relies_on_it():
+    prints = dict(TABLE["1.0.2"], **{SYNC_QUALNAME: "mutant"})  # the ack sync's and the votes'
+    v = upstream.judge(_probes(prints), "1.0.2", TABLE)
+    status = {f.feature: f.status for f in v.features()}
+    assert status == {"ack_counts": "untested", "prefetch_votes": "untested",
+                      "decode_offload": "tested"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -291,40 +340,75 @@ def test_version_range(version, inside):
 
 
 # ---------------------------------------------------- register() acts on it
-def expected_hooks() -> int:
-    from hicache_async_ack.features import all_features
-
+def runnable() -> set:
+    """The features the installed SGLang has every method of (0.5.20: no decode
+    offload; 0.5.20-0.5.22: no votes predicate)."""
     verdict = upstream.check_installed()
-    features = all_features()
-    assert len(features) == 3
-    return sum(
-        len(f.hooks) for f in features if not verdict.missing_methods(h.method for h in f.hooks)
-    )
+    return {f.feature for f in verdict.features() if f.status == "tested"}
 
 
 def test_tested_release_registers_and_logs_the_match(registered, caplog):
     hooks = registered()
-    # every feature whose hooked methods this SGLang has (0.5.20: no decode offload)
-    assert hooks and len(hooks) == expected_hooks()
+    assert hooks and registered.features == runnable()
+    assert set(registered.inert) == {"ack_counts", "prefetch_votes"} - runnable()
     installed = upstream.installed_version()
     assert f"SGLang {installed} matches tested release {installed}" in caplog.text
 
 
-def test_drifted_method_leaves_plugin_inert_naming_it(registered, caplog, monkeypatch, cache_cls):
-    """Same version string, same signatures; _sync_hicache_ready_counts returns
-    one more field: no hook, a warning naming the method and the opt-in."""
+def test_drifted_method_leaves_its_features_on_upstreams_path(
+    registered, caplog, monkeypatch, cache_cls
+):
+    """Same version string, same signatures; _sync_hicache_ready_counts (the ack
+    sync's and the votes') returns one more field: neither registers a hook, a
+    warning per feature names the method and the opt-in; the decode offload sync
+    runs, and the path info marks the two off."""
+    live = runnable()
     monkeypatch.setattr(cache_cls, SYNC, drifted(getattr(cache_cls, SYNC)))
-    assert registered() == []
-    warning = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warning) == 1
-    text = warning[0].getMessage()
-    assert f"is untested: {SYNC_QUALNAME} differs from what was recorded" in text
-    assert "Registering no hooks" in text and f"{ALLOW_UNTESTED_VAR}=1" in text
+    registered()
+    assert registered.features == live - {"ack_counts", "prefetch_votes"}
+    assert registered.inert == {
+        "ack_counts": "untested_release",
+        "prefetch_votes": "untested_release",
+    }
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 + ("prefetch_votes" in live)
+    for text in warnings:
+        assert f"is untested: {SYNC_QUALNAME} differs from what was recorded" in text
+        assert "Not hooked" in text and f"{ALLOW_UNTESTED_VAR}=1" in text
+
+
+@pytest.mark.parametrize("feature", ALL)
+def test_a_method_only_one_feature_relies_on_stops_only_that_feature(
+    registered, caplog, monkeypatch, feature
+):
+    """On the live classes: the one feature stands down (named), the others
+    register their hooks."""
+    import importlib
+
+    live = runnable()
+    if feature not in live:
+        pytest.skip(f"{feature} does not run on this SGLang")
+    target = next(t for t in TARGETS if t.features == (feature,))
+    owner = importlib.import_module(target.module)
+    *path, name = target.qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    monkeypatch.setattr(owner, name, drifted(getattr(owner, name), no_op_first))
+    registered()
+    assert registered.features == live - {feature}
+    title = TITLES[feature]
+    assert any(
+        r.getMessage().startswith(title) and target.qualname in r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING
+    )
 
 
 def test_allow_untested_registers_with_loud_warning(registered, caplog, monkeypatch, cache_cls):
+    live = runnable()
     monkeypatch.setattr(cache_cls, SYNC, drifted(getattr(cache_cls, SYNC)))
-    assert len(registered(**{ALLOW_UNTESTED_VAR: "1"})) == expected_hooks()
+    registered(**{ALLOW_UNTESTED_VAR: "1"})
+    assert registered.features == live
     assert "RUNNING ON AN UNTESTED SGLANG" in caplog.text and SYNC_QUALNAME in caplog.text
 
 
@@ -333,14 +417,16 @@ def test_changed_parameters_stay_inert_even_with_opt_in(
     registered, caplog, monkeypatch, cache_cls, name
 ):
     monkeypatch.setattr(cache_cls, name, drifted(getattr(cache_cls, name), renamed_last_param))
-    assert registered(**{ALLOW_UNTESTED_VAR: "1"}) == []
+    registered(**{ALLOW_UNTESTED_VAR: "1"})
+    assert "ack_counts" not in registered.features  # only the ack sync pops through them
     assert f"is incompatible: UnifiedRadixCache.{name} takes (" in caplog.text
     assert "finish_count_renamed" in caplog.text and "cannot override" in caplog.text
 
 
 def test_missing_method_stays_inert(registered, caplog, monkeypatch, cache_cls):
     monkeypatch.delattr(cache_cls, "_count_ready_acks")
-    assert registered(**{ALLOW_UNTESTED_VAR: "1"}) == []
+    registered(**{ALLOW_UNTESTED_VAR: "1"})
+    assert "ack_counts" not in registered.features
     qualname = "UnifiedRadixCache._count_ready_acks"
     assert f"is incompatible: {upstream.CACHE_MODULE} has no {qualname}" in caplog.text
 
@@ -373,21 +459,45 @@ def test_doctor_shows_release_range_and_every_fingerprint(monkeypatch):
         absent = line.startswith("absent, as recorded for ") and installed in line
         assert line.startswith("same as ") or absent, (t.label, line)
         assert installed in lines[f"  {t.label}"]
-    assert lines["supported"] == f"yes: SGLang {installed} matches tested release {installed}"
+    for feature in runnable():
+        line = lines[f"supported: {feature}"]
+        assert line == f"yes: SGLang {installed} matches tested release {installed}"
     assert rep.blockers == []
 
 
-def test_doctor_drifted_method_is_inactive_unless_opted_in(monkeypatch, cache_cls):
+def test_doctor_says_which_feature_stands_down_and_why(monkeypatch, cache_cls):
+    live = runnable()
     monkeypatch.setattr(cache_cls, SYNC, drifted(getattr(cache_cls, SYNC)))
     rep = _doctor(monkeypatch)
     lines = dict(rep.lines)
     assert lines[f"  {SYNC}"].startswith("CHANGED: matches no tested release")
     assert lines["  check_hicache_events"].startswith("same as")
-    assert lines["supported"].startswith("NO: ") and SYNC_QUALNAME in lines["supported"]
-    assert any("untested" in b and ALLOW_UNTESTED_VAR in b for b in rep.blockers)
+    ack = lines["supported: ack_counts"]
+    assert ack.startswith("NO, stands down: ") and SYNC_QUALNAME in ack
+    assert ALLOW_UNTESTED_VAR in ack
+    if "decode_offload" in live:  # the offload sync's methods are untouched
+        assert lines["supported: decode_offload"].startswith("yes: ")
+        assert rep.blockers == []  # a feature runs: the plugin is active
     rep = _doctor(monkeypatch, **{ALLOW_UNTESTED_VAR: "1"})
-    assert dict(rep.lines)["supported"].startswith("UNTESTED, running anyway")
+    assert dict(rep.lines)["supported: ack_counts"].startswith("UNTESTED, running anyway")
     assert rep.blockers == []
+
+
+def test_doctor_blocks_when_no_feature_would_run(monkeypatch, cache_cls):
+    """Negative control of the one above: with every feature's methods changed,
+    doctor says the plugin would not run (exit status 1)."""
+    from sglang.srt.disaggregation.decode_kvcache_offload_manager import (
+        DecodeKVCacheOffloadManager as manager_cls,
+    )
+
+    monkeypatch.setattr(cache_cls, SYNC, drifted(getattr(cache_cls, SYNC)))
+    for name in ("check_offload_progress",):
+        monkeypatch.setattr(manager_cls, name, drifted(getattr(manager_cls, name), no_op_first))
+    rep = _doctor(monkeypatch)
+    assert all(not v.startswith("yes") for k, v in rep.lines if k.startswith("supported: ")), (
+        rep.lines
+    )
+    assert any("no feature of the plugin would run" in b for b in rep.blockers)
 
 
 # ------------------------------------------------- the next-release check
@@ -417,7 +527,8 @@ def test_release_check_same_methods_says_widen(fake_wheels, capsys):
     installed = upstream.installed_version()
     assert releases.main(["check", "9.9.8"]) == 0
     out = capsys.readouterr().out
-    assert f"verdict: every fingerprint matches {installed}" in out
+    assert f"ack_counts: tested: SGLang 9.9.8 matches tested release {installed}" in out
+    assert "verdict: every feature's fingerprints match a tested release" in out
     assert "record --add 9.9.8" in out and "CHANGED" not in out
 
 
@@ -462,8 +573,8 @@ def test_a_recorded_release_turns_every_feature_on():
     table = upstream.load_table()
     before = upstream.judge(probes, "0.5.24", table)
     assert [before.feature_release(f) for f in features] == [None, None, None]
-    assert before.status == "untested"
+    assert {f.status for f in before.features()} == {"untested"}
     recorded = {**table, "0.5.24": {p.target.qualname: p.fingerprint for p in probes}}
     after = upstream.judge(probes, "0.5.24", recorded)
-    assert after.status == "tested"
+    assert {f.status for f in after.features()} == {"tested"}
     assert [after.feature_release(f) for f in features] == ["0.5.24"] * 3

@@ -29,15 +29,14 @@ that path on the same reduce fails upstream's own digest check, and we name it.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Mapping, NoReturn, Optional, Sequence
 
+from .depth import AutoDepth, observation
 from .stamp import (
     DEPTH_LIMIT,
-    OBS_BITS,
     OBS_MAX,
     PROTOCOL_VERSION,
     Collective,
@@ -48,96 +47,24 @@ from .stamp import (
     describe_mismatch,
     fold_digest,
     pack_stamp,
+    stamps_differ,
 )
-
-# ------------------------------------------------------------------ auto depth
-WAIT_FLOOR_S = 200e-6  # shorter waits are noise (the collective's own cost), not latency
-
-
-def observation(waited_s: float, next_pending: bool, step_s: float) -> int:
-    """One rank's observation at a consume, for the group's MAX: how long it
-    waited on the due reduce, in steps of its own (``step_s``: from the end of
-    its previous consume to this one, so the step's work, not its waits)
-    rounded up, 0 for a wait under WAIT_FLOOR_S; above one bit:
-    whether the reduce after it was still in flight (so one step less depth
-    would have waited). Any wait outranks every 'still in flight'."""
-    if waited_s < WAIT_FLOOR_S:
-        steps = 0
-    else:
-        steps = max(1, math.ceil(waited_s / step_s)) if step_s > 0 else 1
-    return min(OBS_MAX, (steps << 1) | int(next_pending))
-
-
-@dataclass
-class AutoDepth:
-    """The depth rule every rank applies to the same agreed observations at the
-    same consume, so the depth moves on every rank at once with no extra
-    collective. An observation says how many steps some rank waited (rounded
-    up) and whether the next reduce was still in flight.
-
-    * Once some rank waited on ``raise_after`` of the last ``depth + 1``
-      consumed reduces (a sustained latency: one long reduce is an outlier and
-      moves nothing; at depth k a sustained one shows on every k-th consume,
-      since the k - 1 reduces issued right after the one waited on are done by
-      then), the depth rises by the smallest of those waits in steps: the depth
-      that would not have waited on any of them, at once.
-    * Lower by one when, on ``lower_after`` consecutive ones, nobody waited and
-      every rank found the next reduce already complete.
-
-    After a change, the reduces that still carry an observation made at the old
-    depth are ignored, so one latency episode is counted once: the one issued
-    in the step of the change, plus, after a raise by W, the W issued in the
-    steps whose consume the raise skips (they carry the same observation). So
-    W + 1 after a raise, 1 after a lower. ``issued_step`` and ``now_step``
-    count reduces issued, the same on every rank."""
-
-    lo: int = 1
-    hi: int = 8
-    raise_after: int = 2
-    lower_after: int = 16
-    depth: int = 1
-    # the waits (steps, 0: none) of the latest depth + 1 consumes since the last change
-    _recent: deque[int] = field(default_factory=deque)
-    _clean: int = 0
-    _settled_after: int = 0  # reduces issued up to this step predate the last change
-    # the latest changes, (step, from, to): for the log and the tests
-    changes: deque[tuple[int, int, int]] = field(default_factory=lambda: deque(maxlen=64))
-
-    def update(self, obs_max: int, issued_step: int, now_step: int) -> int:
-        if issued_step <= self._settled_after:
-            return self.depth
-        waited, next_pending = obs_max >> 1, obs_max & 1
-        self._recent.append(waited)
-        if len(self._recent) > self.depth + 1:
-            self._recent.popleft()
-        waits = [w for w in self._recent if w]
-        self._clean = self._clean + 1 if not waited and not next_pending else 0
-        new = self.depth
-        if len(waits) >= self.raise_after:
-            new = min(self.hi, self.depth + min(waits))
-        elif self._clean >= self.lower_after and self.depth > self.lo:
-            new = self.depth - 1
-        if new != self.depth:
-            self.changes.append((now_step, self.depth, new))
-            # the next issue carries this consume's observation; a raise by W
-            # skips W consumes, whose issues carry it again
-            self._settled_after = now_step + 1 + max(0, new - self.depth)
-            self.depth, self._clean = new, 0
-            self._recent.clear()
-        return self.depth
 
 
 class _Pending:
     """A reduce in flight and what it was issued over."""
 
-    __slots__ = ("handle", "names", "ready", "x", "step")
+    __slots__ = ("handle", "names", "ready", "x", "flags", "step", "tail", "token")
 
-    def __init__(self, handle: Handle, names, ready, x: int, step: int):
+    def __init__(self, handle: Handle, names, ready, x: int, flags: int, step, tail: int, token):
         self.handle = handle
         self.names: tuple[Hashable, ...] = names  # queue names, in tensor order
         self.ready: tuple[Sequence[object], ...] = ready  # entries ready at issue, per queue
         self.x = x  # the packed stamp this rank sent
+        self.flags = flags  # the layout flags this rank sent
         self.step = step
+        self.tail = tail  # values a rider appended after the counts (and flags)
+        self.token = token  # the rider's own record of what it sent, handed back
 
 
 @dataclass(slots=True)
@@ -151,6 +78,10 @@ class Consumed:
     obs_max: int = 0  # the group's max observation (of the newest one consumed)
     waited_s: float = 0.0  # auto depth: how long this rank waited on the due reduce(s)
     depth_change: Optional[tuple[int, int]] = None  # (from, to), auto depth only
+    # layout flags: the group's agreed flags of the newest reduce consumed (None:
+    # this sync sends none); tails: (token, reduced tail) per reduce, oldest first
+    flags: Optional[int] = None
+    tails: list = field(default_factory=list)
 
 
 def still_queued(agreed: Sequence[object], head: Sequence[object]) -> int:
@@ -188,6 +119,13 @@ class PipelinedAckSync:
     stamp field ("depth", "auto", "protocol", "digest", and "stock": a peer that
     ran the blocking path). With ``auto``, the depth follows that rule, starting
     at ``depth``; ``clock`` (seconds) times the waits it observes.
+
+    ``flag_names`` (bit -> what it means) makes every reduce carry ``[f, -f]``
+    after the stamp: layout flags every rank must share (which sections the
+    next reduces carry), checked at consume like the stamp's agreed fields, so a
+    layout switches only at a step every rank agrees on. A rider may append a
+    ``tail`` of values to a reduce; its reduced tail comes back, with the
+    rider's ``token``, in :attr:`Consumed.tails`.
     """
 
     def __init__(
@@ -198,6 +136,7 @@ class PipelinedAckSync:
         auto: Optional[AutoDepth] = None,
         hints: Optional[Mapping[str, str]] = None,
         clock: Callable[[], float] = time.perf_counter,
+        flag_names: Optional[Mapping[int, str]] = None,
     ):
         if not 1 <= depth <= DEPTH_LIMIT:
             raise ValueError(f"depth must be from 1 to {DEPTH_LIMIT}, got {depth}")
@@ -207,6 +146,7 @@ class PipelinedAckSync:
         if auto is not None:
             auto.depth = depth
         self.hints = dict(hints or {})
+        self.flag_names = None if flag_names is None else dict(flag_names)
         self._pending: deque[_Pending] = deque()
         self._failed: Optional[BaseException] = None
         self._step = 0
@@ -230,11 +170,16 @@ class PipelinedAckSync:
                 f"HiCache ack sync already failed on this rank and will not retry: {self._failed}"
             ) from self._failed
 
-    def stamp(self, digest: int) -> Stamp:
-        return Stamp(PROTOCOL_VERSION, self.auto is not None, self.depth, digest, self._obs)
-
-    def issue(self, ready: Mapping[Hashable, Sequence[object]], digest: int) -> None:
-        """Start the MIN-reduce of the ready counts (plus the stamp as ``[x, -x]``).
+    def issue(
+        self,
+        ready: Mapping[Hashable, Sequence[object]],
+        digest: int,
+        flags: int = 0,
+        tail: Sequence[int] = (),
+        token: object = None,
+    ) -> None:
+        """Start the MIN-reduce of the ready counts (plus the stamp as ``[x, -x]``,
+        with ``flag_names`` the flags as ``[f, -f]``, then ``tail``).
 
         The core keeps the sequences in ``ready`` until the reduce is consumed:
         hand in fresh ones (slices of the queues), never the queues themselves."""
@@ -245,12 +190,15 @@ class PipelinedAckSync:
         x = pack_stamp(PROTOCOL_VERSION, self.auto is not None, self.depth, digest, self._obs)
         values = [len(s) for s in snap]
         values += (x, -x)
+        if self.flag_names is not None:
+            values += (flags, -flags)
+        values += tail
         try:
             handle = self.collective(values)
         except Exception as exc:  # re-raised with context
             self._fail(exc, "issuing")
         self._step += 1
-        self._pending.append(_Pending(handle, names, snap, x, self._step))
+        self._pending.append(_Pending(handle, names, snap, x, flags, self._step, len(tail), token))
 
     def consume_due(self, head: Callable[[Hashable, int], Sequence[object]]) -> Optional[Consumed]:
         """Consume every reduce that is due (one normally; none while the depth
@@ -304,36 +252,47 @@ class PipelinedAckSync:
         self._since = clock()
         return out
 
+    @property
+    def _flag_slots(self) -> int:
+        return 0 if self.flag_names is None else 2
+
     def _wait(self, p: _Pending) -> Sequence[int]:
         try:
             reduced = p.handle.wait()
         except Exception as exc:  # re-raised with context
             self._fail(exc, f"waiting on this cache's reduce #{p.step}")
-        if len(reduced) != len(p.names) + 2:
+        issued = len(p.names) + 2 + self._flag_slots + p.tail
+        if len(reduced) != issued:
             self._fail(
-                ValueError(f"reduced {len(reduced)} values, issued {len(p.names) + 2}"),
+                ValueError(f"reduced {len(reduced)} values, issued {issued}"),
                 "reading the reduced counts",
             )
         return reduced
 
-    def greet(
+    def first_exchange(
         self,
         slots: int,
         digest: int,
         reduce: Optional[Callable[[list[int]], Sequence[int]]] = None,
-    ) -> None:
+        flags: int = 0,
+    ) -> int:
         """The first exchange, before anything the blocking path would not do:
-        ``slots`` zero counts then ``[x, -x]`` with this rank's stamp, MIN-reduced
-        and checked at once. ``reduce`` is a blocking MIN-reduce in the blocking
+        ``slots`` counts then ``[x, -x]`` with this rank's stamp, MIN-reduced and
+        checked at once. ``reduce`` is a blocking MIN-reduce in the blocking
         path's own shape, over its own groups (so a peer running that path pairs
         with it collective for collective, whatever the topology); by default,
         one reduce of our collective, waited on at once. Raises
         :class:`HiCacheAckSyncMismatch` on every rank of a group that disagrees,
-        in this step, before any other collective runs. The counts are zero: the
-        pipelined path pops nothing in its first step anyway."""
+        in this step, before any other collective runs. With ``flag_names``, the
+        first two count slots carry ``[f, -f]`` (``slots`` >= 2: upstream's two
+        ack counts), checked once the stamps agree (a peer on the blocking path
+        sends counts there); the others are zero, as the pipelined path pops
+        nothing in its first step anyway. Returns the group's flags."""
         self._check_usable()
         x = pack_stamp(PROTOCOL_VERSION, self.auto is not None, self.depth, digest, 0)
         values = [0] * slots + [x, -x]
+        if self.flag_names is not None:
+            values[:2] = (flags, -flags)
         try:
             reduced = reduce(values) if reduce is not None else self.collective(values).wait()
         except Exception as exc:  # re-raised with context
@@ -344,8 +303,30 @@ class PipelinedAckSync:
                 "reading the first exchange",
             )
         lo_x, hi_x = reduced[-2], -reduced[-1]
-        if lo_x >> OBS_BITS != x >> OBS_BITS or hi_x >> OBS_BITS != x >> OBS_BITS:
+        if stamps_differ(x, lo_x, hi_x):
             self._mismatch("this cache's first exchange", x, lo_x, hi_x)
+        if self.flag_names is None:
+            return 0
+        return self._agreed_flags("this cache's first exchange", flags, reduced[0], -reduced[1])
+
+    def _agreed_flags(self, what: str, mine: int, lo: int, hi: int) -> int:
+        """The group's flags, or stop naming the flags that differ: the min and
+        max are two ranks' own flags, so every bit they differ in differs."""
+        if lo == hi:
+            return lo
+        differ = [b for b in sorted(self.flag_names or {}) if (lo ^ hi) >> b & 1]
+        names = "; ".join(
+            f"{(self.flag_names or {})[b]}: this rank {mine >> b & 1}" for b in differ
+        )
+        err = HiCacheAckSyncMismatch(
+            f"HiCache ack sync: ranks disagree on {what}: the layout flags differ across "
+            f"the group (group min {lo:#x}, max {hi:#x}): {names or 'unknown bits'}. Give "
+            "every node of the TP group the same settings and storage backend. Nothing "
+            "was popped; stopping."
+        )
+        self._pending.clear()
+        self._failed = err
+        raise err
 
     def _mismatch(self, what: str, x: int, lo_x: int, hi_x: int) -> NoReturn:
         mine, lo, hi = Stamp.unpack(x), Stamp.unpack(lo_x), Stamp.unpack(hi_x)
@@ -362,11 +343,15 @@ class PipelinedAckSync:
         lets pop to ``out`` (after what older reduces in ``out`` pop)."""
         p = self._pending.popleft()
         reduced = self._wait(p)
-        lo_x, hi_x = reduced[-2], -reduced[-1]
-        # Every agreed field sits above the observation: equal iff equal there.
-        agreed_bits = p.x >> OBS_BITS
-        if lo_x >> OBS_BITS != agreed_bits or hi_x >> OBS_BITS != agreed_bits:
+        at = len(p.names)  # [x, -x] right after the counts
+        lo_x, hi_x = reduced[at], -reduced[at + 1]
+        if stamps_differ(p.x, lo_x, hi_x):
             self._mismatch(f"this cache's reduce #{p.step}", p.x, lo_x, hi_x)
+        if self.flag_names is not None:
+            lo_f, hi_f = reduced[at + 2], -reduced[at + 3]
+            out.flags = self._agreed_flags(f"this cache's reduce #{p.step}", p.flags, lo_f, hi_f)
+        if p.tail:
+            out.tails.append((p.token, list(reduced[len(reduced) - p.tail :])))
         pops, agreed = out.pops, out.agreed
         for name, snap, count in zip(p.names, p.ready, reduced):
             if count:

@@ -16,16 +16,22 @@ compares them with the table recorded from the real wheels of every tested relea
 (``upstream_fingerprints.json``, written only by
 ``python -m hicache_async_ack_lab.releases record``).
 
-Verdicts (:func:`check_installed`):
+Verdicts (:func:`check_installed`), one per feature (:meth:`Verdict.feature`), on
+the methods that feature wraps or relies on only:
 
-- **tested**: every fingerprint equals one tested release's. The plugin runs, whatever
-  the version string says (a rebuild or a newer release with the same methods is as
-  good as the one recorded).
+- **tested**: every one of its fingerprints equals one tested release's. The feature
+  runs, whatever the version string says (a rebuild or a newer release with the same
+  methods is as good as the one recorded).
 - **untested**: no tested release has all these fingerprints (a body changed). The
-  plugin stays inert and names the methods, unless the operator sets
+  feature stays on upstream's path and names the methods, unless the operator sets
   ``SGLANG_HICACHE_ASYNC_ACK_ALLOW_UNTESTED=1``.
 - **incompatible**: a method is missing or takes other parameters than the hooks pass.
-  Inert even with the opt-in: no setting makes a call with the wrong arguments work.
+  Off even with the opt-in: no setting makes a call with the wrong arguments work.
+- **absent**: a method is missing, as the table records it for a tested release
+  (the decode offload sync on 0.5.20): nothing to pipeline, nothing registered.
+
+A change in a method only the prefetch votes use stops only the votes; one in a
+method only the ack sync uses leaves the votes and the offload sync running.
 
 docs/versions.md says how to widen the range when SGLang releases.
 """
@@ -199,11 +205,51 @@ class MethodVerdict:
 
 
 @dataclass(frozen=True)
+class FeatureVerdict:
+    """The guard's verdict for one feature, on the methods it wraps or relies on."""
+
+    feature: str
+    status: str  # "tested", "untested", "incompatible" or "absent" (recorded so)
+    release: Optional[str]  # the tested release its methods behave like, or None
+    changed: tuple[str, ...]  # its methods that differ from the reference release's
+    problems: tuple[str, ...]  # what keeps it off even with the opt-in
+    absent: tuple[str, ...]  # its methods this SGLang lacks, as recorded for a release
+
+    def summary(self, verdict: "Verdict") -> str:
+        """One line: what was found for this feature and what follows."""
+        shown = f"SGLang {verdict.installed or '(version unknown)'}"
+        if self.status == "tested":
+            line = f"{shown} matches tested release {self.release}"
+            if verdict.installed != self.release:
+                where = "inside" if verdict.in_range else "outside"
+                line += (
+                    f" method for method (its version string is {where} the tested "
+                    f"range {verdict.range_text})"
+                )
+            return line
+        if self.status == "absent":
+            return f"{shown} lacks {', '.join(self.absent)}, as recorded: nothing to pipeline"
+        if self.status == "incompatible":
+            return f"{shown} is incompatible: " + "; ".join(self.problems)
+        where = "in" if verdict.in_range else "outside"
+        ref = verdict.reference
+        recorded = "what was recorded for" if ref == verdict.installed else "release"
+        n = len(self.changed)
+        return (
+            f"{shown} ({where} the tested range {verdict.range_text}) is untested: "
+            f"{', '.join(self.changed)} differ{'s' if n == 1 else ''} from {recorded} {ref}"
+        )
+
+
+@dataclass(frozen=True)
 class Verdict:
+    """The installed SGLang against the table, judged per feature: each feature
+    runs where every method it wraps or relies on matches one tested release,
+    whatever the others' do."""
+
     installed: Optional[str]  # the version string
     tested: tuple[str, ...]  # the tested releases, oldest first
     methods: tuple[MethodVerdict, ...]
-    matched: tuple[str, ...]  # tested releases whose every fingerprint matches
     reference: str  # the tested release differences are reported against
 
     @property
@@ -214,41 +260,28 @@ class Verdict:
     def range_text(self) -> str:
         return f"{self.tested[0]} to {self.tested[-1]}"
 
-    @property
-    def incompatible(self) -> list[str]:
-        """Problems the opt-in cannot override, each said once (a module that
-        cannot be imported is one problem, not one per method)."""
-        return self.feature_incompatible(ACK)
-
-    @property
-    def changed(self) -> list[str]:
-        """The ack sync's methods whose fingerprint differs from the reference release's."""
-        return [
-            m.target.qualname
-            for m in self.methods
-            if ACK in m.target.features and self.reference not in m.same_as
-        ]
-
-    def missing_methods(self, methods: Iterable[str]) -> str:
-        """Which of these method names (of any target class) this SGLang lacks."""
-        wanted = set(methods)
-        return ", ".join(
-            m.target.qualname
-            for m in self.methods
-            if m.probe.missing and m.target.qualname.rsplit(".", 1)[-1] in wanted
-        )
+    def of(self, feature: str) -> list[MethodVerdict]:
+        return [m for m in self.methods if feature in m.target.features]
 
     def feature_incompatible(self, feature: str) -> list[str]:
-        """What keeps ``feature`` off even with the opt-in (missing, other parameters)."""
+        """What keeps ``feature`` off even with the opt-in (missing, other
+        parameters), each said once (a module that cannot be imported is one
+        problem, not one per method); a method recorded as absent is not one."""
         return list(
             dict.fromkeys(
-                m.blocking for m in self.methods if m.blocking and feature in m.target.features
+                m.blocking
+                for m in self.of(feature)
+                if m.blocking and not (m.absent_as and not m.signature)
             )
         )
 
+    def feature_absent(self, feature: str) -> list[str]:
+        """``feature``'s methods this SGLang lacks, as a tested release was recorded."""
+        return [m.target.qualname for m in self.of(feature) if m.probe.missing and m.absent_as]
+
     def feature_matched(self, feature: str) -> tuple[str, ...]:
         """The tested releases every target of ``feature`` matches."""
-        mine = [m for m in self.methods if feature in m.target.features]
+        mine = self.of(feature)
         return tuple(r for r in self.tested if all(r in m.same_as for m in mine))
 
     def feature_release(self, feature: str) -> Optional[str]:
@@ -259,41 +292,25 @@ class Verdict:
             return self.installed
         return matched[-1] if matched else None
 
-    @property
-    def status(self) -> str:
-        if self.incompatible:
-            return "incompatible"
-        return "tested" if self.matched else "untested"
-
-    @property
-    def release(self) -> Optional[str]:
-        """The tested release this SGLang behaves like (its own version when that
-        is one of them), or None."""
-        if self.installed in self.matched:
-            return self.installed
-        return self.matched[-1] if self.matched else None
-
-    def summary(self) -> str:
-        """One line: what was found and what follows."""
-        shown = f"SGLang {self.installed or '(version unknown)'}"
-        if self.status == "tested":
-            line = f"{shown} matches tested release {self.release}"
-            if self.installed != self.release:
-                where = "inside" if self.in_range else "outside"
-                line += (
-                    f" method for method (its version string is {where} the tested "
-                    f"range {self.range_text})"
-                )
-            return line
-        if self.status == "incompatible":
-            return f"{shown} is incompatible: " + "; ".join(self.incompatible)
-        where = "in" if self.in_range else "outside"
-        recorded = "what was recorded for" if self.reference == self.installed else "release"
-        return (
-            f"{shown} ({where} the tested range {self.range_text}) is untested: "
-            f"{', '.join(self.changed)} differ{'s' if len(self.changed) == 1 else ''} "
-            f"from {recorded} {self.reference}"
+    def feature(self, feature: str) -> FeatureVerdict:
+        absent = tuple(self.feature_absent(feature))
+        problems = tuple(self.feature_incompatible(feature))
+        release = self.feature_release(feature)
+        changed = tuple(  # present, with another body (missing ones are problems or absent)
+            m.target.qualname
+            for m in self.of(feature)
+            if m.probe.fingerprint is not None and self.reference not in m.same_as
         )
+        if absent:
+            status = "absent"
+        elif problems:
+            status = "incompatible"
+        else:
+            status = "tested" if release is not None else "untested"
+        return FeatureVerdict(feature, status, release, changed, problems, absent)
+
+    def features(self) -> list[FeatureVerdict]:
+        return [self.feature(f) for f in ALL]
 
 
 def judge(
@@ -321,15 +338,12 @@ def judge(
             if p.missing and t.qualname in table[r] and table[r][t.qualname] is None
         )
         methods.append(MethodVerdict(p, same, signature, absent))
-    matched = tuple(
-        r for r in tested if all(r in m.same_as for m in methods if ACK in m.target.features)
-    )
 
     def score(release: str) -> tuple[int, tuple[int, ...]]:
         return sum(release in m.same_as for m in methods), release_key(release)
 
     reference = installed if installed is not None and installed in tested else None
-    return Verdict(installed, tested, tuple(methods), matched, reference or max(tested, key=score))
+    return Verdict(installed, tested, tuple(methods), reference or max(tested, key=score))
 
 
 def check_installed() -> Verdict:
@@ -370,7 +384,7 @@ def feature_release(feature: str) -> Optional[str]:
     verdict = JUDGED.verdict
     if verdict is None:
         return None
-    release = verdict.feature_release(feature)
-    if release is None and JUDGED.untested_ok and not verdict.feature_incompatible(feature):
+    judged = verdict.feature(feature)
+    if judged.release is None and JUDGED.untested_ok and judged.status == "untested":
         return UNTESTED
-    return release
+    return judged.release

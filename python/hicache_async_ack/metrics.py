@@ -16,7 +16,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Hashable, Mapping, Optional
 
-logger = logging.getLogger("sglang.srt.mem_cache.hicache_async_ack")
+from .names import ACK_QUEUES, EXTRA_POOL_QUEUES, LOGGER_NAME, OFFLOAD_QUEUES, STORAGE_QUEUES
+
+logger = logging.getLogger(LOGGER_NAME)
 
 # Waiting on the due reduce: ~0 when the reduce is hidden behind the forward.
 WAIT_BUCKETS = (1e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.5)
@@ -26,15 +28,8 @@ ISSUE_BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2)
 # The `queue` label: the cache controller's own attribute names (the tensor
 # order of upstream's ready-count sync); an extra host pool's release queue is
 # EXTRA_QUEUE_LABEL.format(pool=...), after extra_host_mem_release_queues[pool].
-QUEUES = (
-    "ack_write_queue",
-    "ack_load_queue",
-    "prefetch_hit_queue",
-    "ack_prefetch_queue",
-    "ack_backup_queue",
-    "host_mem_release_queue",
-)
-EXTRA_QUEUE_LABEL = "extra_host_mem_release_queues:{pool}"
+QUEUES = ACK_QUEUES + STORAGE_QUEUES
+EXTRA_QUEUE_LABEL = EXTRA_POOL_QUEUES + ":{pool}"
 FAILURE_REASONS = ("mismatch", "failure")  # the `reason` label of failures_total
 
 # Every series this module exports (names as in the exposition, counters with
@@ -49,10 +44,11 @@ SERIES = (
     "sglang:hicache_ack_sync_failures_total",
 )
 
-# label names -> families; families for another label set (a second cache type
-# with extra labels) stay out of the default registry: the name is taken there,
-# and in multiprocess mode the values reach /metrics through the files anyway.
-_families: dict[tuple[str, ...], dict[str, Any]] = {}
+# (sync, label names) -> families; a second label set of one sync's families (a
+# second cache type with extra labels) stays out of the default registry: the
+# name is taken there, and in multiprocess mode the values reach /metrics
+# through the files anyway.
+_families: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
 
 
 def collector_classes(metrics_collector: Any = None) -> tuple[Any, Any, Any]:
@@ -91,74 +87,91 @@ def _scheduler_collector_class() -> Any:
         return None
 
 
-def _create_families(labelnames: tuple[str, ...], classes, registered: bool) -> dict[str, Any]:
-    Counter, Gauge, Histogram = classes
-    names = list(labelnames)
+# Every family, declared once: sync -> (key, kind, name, help, extra label, buckets).
+GAUGE, COUNTER, HISTOGRAM = 1, 0, 2  # the index into collector_classes()
+FAMILIES: dict[str, tuple[tuple[str, int, str, str, Optional[str], tuple], ...]] = {
+    "ack": (
+        ("pipelined", GAUGE, "sglang:hicache_ack_sync_pipelined",
+         "1 while this rank pipelines the HiCache ack-count all_reduce, 0 on the "
+         "blocking path. Every rank of a group must show the same value.", None, ()),
+        ("depth", GAUGE, "sglang:hicache_ack_sync_depth",
+         "Reduces in flight: acks are popped this many steps late (0 on the "
+         "blocking path). Identical on every rank of a group.", None, ()),
+        ("group_size", GAUGE, "sglang:hicache_ack_sync_group_size",
+         "Ranks in the group this rank's pipelined reduce spans (0 on the blocking "
+         "path): a group that exports fewer pipelined series than this has ranks "
+         "without the plugin's metrics.", None, ()),
+        ("wait", HISTOGRAM, "sglang:hicache_ack_sync_wait_seconds",
+         "Time a scheduler step waited on the due ack-count reduce, observed "
+         "for steps that had one due (about 0 while the reduce is hidden behind "
+         "the forward). rate(_sum) is the share of wall time spent waiting.", None,
+         WAIT_BUCKETS),
+        ("issue", HISTOGRAM, "sglang:hicache_ack_sync_issue_seconds",
+         "Time a pipelined scheduler step spent counting ready entries and "
+         "issuing the next ack-count reduce.", None, ISSUE_BUCKETS),
+        ("popped", COUNTER, "sglang:hicache_ack_sync_popped_entries",
+         "Acks and storage control entries popped on the group's agreement, per "
+         "queue. Every TP rank reports the same logical count under its own rank "
+         "labels; read one rank rather than summing ranks.", "queue", ()),
+        ("failures", COUNTER, "sglang:hicache_ack_sync_failures",
+         "HiCache ack sync errors, by reason: ranks that disagree (mismatch) or "
+         "a failed collective (failure). The scheduler stops after one.", "reason", ()),
+    ),
+    "votes": (
+        ("pipelined", GAUGE, "sglang:hicache_prefetch_votes_pipelined",
+         "1 while this rank decides storage prefetch deadlines with the votes riding "
+         "one reduce per pass, 0 on SGLang's per-request blocking reduce.", None, ()),
+        ("wait", HISTOGRAM, "sglang:hicache_prefetch_votes_wait_seconds",
+         "Kept at 0: the votes ride the ack counts' reduce, whose wait is "
+         "sglang:hicache_ack_sync_wait_seconds.", None, WAIT_BUCKETS),
+        ("issue", HISTOGRAM, "sglang:hicache_prefetch_votes_issue_seconds",
+         "Time a scheduling pass spent closing its walk into the votes' section.",
+         None, ISSUE_BUCKETS),
+        ("voted", COUNTER, "sglang:hicache_prefetch_votes_operations",
+         "Storage prefetch operations voted on: one per operation in a pass's "
+         "section (at most its 256 slots per pass).", None, ()),
+        ("stopped", COUNTER, "sglang:hicache_prefetch_votes_stopped",
+         "Storage prefetch operations stopped on the group's deadline verdict.", None, ()),
+        ("failures", COUNTER, "sglang:hicache_prefetch_votes_failures",
+         "Prefetch vote errors: ranks that disagree (mismatch) or a failed collective.",
+         "reason", ()),
+    ),
+    "offload": (
+        ("pipelined", GAUGE, "sglang:hicache_decode_offload_sync_pipelined",
+         "1 while PD decode offload progress is pipelined, 0 on SGLang's blocking reduce.",
+         None, ()),
+        ("wait", HISTOGRAM, "sglang:hicache_decode_offload_sync_wait_seconds",
+         "Time a decode step waited on the previous step's offload reduce.", None,
+         WAIT_BUCKETS),
+        ("popped", COUNTER, "sglang:hicache_decode_offload_sync_popped_entries",
+         "Offload acks and storage backups popped on the group's agreement.", "queue", ()),
+    ),
+}  # fmt: skip
+
+
+def families(sync: str, labelnames: tuple[str, ...], metrics_collector: Any = None) -> dict:
+    """``sync``'s families for this label set, created once, through the
+    collector classes SGLang's own metrics use (the first set registered)."""
+    key = (sync, labelnames)
+    fam = _families.get(key)
+    if fam is not None:
+        return fam
+    classes = collector_classes(metrics_collector)
     extra: dict[str, Any] = {}
-    if not registered:
+    if any(k == sync for k, _ in _families):
         from prometheus_client import Counter as PromCounter
 
-        if Counter is PromCounter:  # other backends take no registry
+        if classes[COUNTER] is PromCounter:  # other backends take no registry
             extra = {"registry": None}
-    return {
-        "pipelined": Gauge(
-            "sglang:hicache_ack_sync_pipelined",
-            "1 while this rank pipelines the HiCache ack-count all_reduce, 0 on the "
-            "blocking path. Every rank of a group must show the same value.",
-            labelnames=names,
-            multiprocess_mode="mostrecent",
-            **extra,
-        ),
-        "depth": Gauge(
-            "sglang:hicache_ack_sync_depth",
-            "Reduces in flight: acks are popped this many steps late (0 on the "
-            "blocking path). Identical on every rank of a group.",
-            labelnames=names,
-            multiprocess_mode="mostrecent",
-            **extra,
-        ),
-        "group_size": Gauge(
-            "sglang:hicache_ack_sync_group_size",
-            "Ranks in the group this rank's pipelined reduce spans (0 on the blocking "
-            "path): a group that exports fewer pipelined series than this has ranks "
-            "without the plugin's metrics.",
-            labelnames=names,
-            multiprocess_mode="mostrecent",
-            **extra,
-        ),
-        "wait": Histogram(
-            "sglang:hicache_ack_sync_wait_seconds",
-            "Time a scheduler step waited on the due ack-count reduce, observed "
-            "for steps that had one due (about 0 while the reduce is hidden behind "
-            "the forward). rate(_sum) is the share of wall time spent waiting.",
-            labelnames=names,
-            buckets=WAIT_BUCKETS,
-            **extra,
-        ),
-        "issue": Histogram(
-            "sglang:hicache_ack_sync_issue_seconds",
-            "Time a pipelined scheduler step spent counting ready entries and "
-            "issuing the next ack-count reduce.",
-            labelnames=names,
-            buckets=ISSUE_BUCKETS,
-            **extra,
-        ),
-        "popped": Counter(
-            "sglang:hicache_ack_sync_popped_entries",
-            "Acks and storage control entries popped on the group's agreement, per "
-            "queue. Every TP rank reports the same logical count under its own rank "
-            "labels; read one rank rather than summing ranks.",
-            labelnames=[*names, "queue"],
-            **extra,
-        ),
-        "failures": Counter(
-            "sglang:hicache_ack_sync_failures",
-            "HiCache ack sync errors, by reason: ranks that disagree (mismatch) or "
-            "a failed collective (failure). The scheduler stops after one.",
-            labelnames=[*names, "reason"],
-            **extra,
-        ),
-    }
+    fam = _families[key] = {}
+    for name, kind, metric, doc, label, buckets in FAMILIES[sync]:
+        kw: dict[str, Any] = dict(extra, labelnames=[*labelnames, *([label] if label else [])])
+        if kind == GAUGE:
+            kw["multiprocess_mode"] = "mostrecent"
+        if kind == HISTOGRAM:
+            kw["buckets"] = buckets
+        fam[name] = classes[kind](metric, doc, **kw)
+    return fam
 
 
 def metrics_for_labels(labels: Mapping[str, Any], metrics_collector: Any = None):
@@ -171,24 +184,40 @@ def metrics_for_labels(labels: Mapping[str, Any], metrics_collector: Any = None)
         return None
 
 
-class AckSyncMetrics:
+class SyncSeries:
+    """A sync's series under one label set: each family without a label of its
+    own as an attribute (``self.pipelined``, ...), the others as families."""
+
+    sync = ""
+    # the label-free children (the families FAMILIES[sync] declares without one)
+    pipelined: Any
+    wait: Any
+    issue: Any
+
+    def __init__(self, labels: Mapping[str, Any], metrics_collector: Any = None):
+        self.labels = {k: str(v) for k, v in labels.items()}
+        self.families = fam = families(self.sync, tuple(self.labels), metrics_collector)
+        for key, _, _, _, label, _ in FAMILIES[self.sync]:
+            if label is None:
+                setattr(self, key, fam[key].labels(**self.labels))
+
+    def on_path(self, pipelined: bool) -> None:
+        self.pipelined.set(1 if pipelined else 0)
+
+
+class AckSyncMetrics(SyncSeries):
     """One cache's series. Created by the plugin at HiCache init when the cache
     has metrics on; the pipelined step calls the ``on_*`` methods. Every series
     exists from init on, at 0 (``increase()`` over a series that appears at 1
     reads 0, and a failure stops the scheduler before the next scrape)."""
 
+    sync = "ack"
+    depth: Any
+    group_size: Any
+
     def __init__(self, labels: Mapping[str, Any], metrics_collector: Any = None):
-        self.labels = {k: str(v) for k, v in labels.items()}
-        key = tuple(self.labels)
-        fam = _families.get(key)
-        if fam is None:
-            classes = collector_classes(metrics_collector)
-            fam = _families[key] = _create_families(key, classes, registered=not _families)
-        self.pipelined = fam["pipelined"].labels(**self.labels)
-        self.depth = fam["depth"].labels(**self.labels)
-        self.group_size = fam["group_size"].labels(**self.labels)
-        self.wait = fam["wait"].labels(**self.labels)
-        self.issue = fam["issue"].labels(**self.labels)
+        super().__init__(labels, metrics_collector)
+        fam = self.families
         self._popped = fam["popped"]
         self._failures = {
             reason: fam["failures"].labels(**self.labels, reason=reason)
@@ -200,7 +229,7 @@ class AckSyncMetrics:
         for name in QUEUES:
             self._popped_child(name).inc(0)
 
-    def on_path(self, pipelined: bool, depth: int, group_size: Optional[int] = None) -> None:
+    def on_path(self, pipelined: bool, depth: int = 0, group_size: Optional[int] = None) -> None:
         self.pipelined.set(1 if pipelined else 0)
         self.depth.set(depth if pipelined else 0)
         if group_size is not None:
@@ -225,8 +254,7 @@ class AckSyncMetrics:
         child.inc()
 
     def _failures_family_child(self, reason: str):
-        fam = _families[tuple(self.labels)]
-        return fam["failures"].labels(**self.labels, reason=reason)
+        return self.families["failures"].labels(**self.labels, reason=reason)
 
     def add_queues(self, names) -> None:
         """Create the popped series of these queues at 0 (extra host pools)."""
@@ -246,88 +274,12 @@ class AckSyncMetrics:
 
 
 # --------------------------------------------------- prefetch termination votes
-# (kind, label names) -> families: as the ack sync's, one set per label names, the
-# first registered, through the collector classes SGLang's own metrics use.
-_other_families: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
-
-
-def _families_for(kind: str, labelnames: tuple[str, ...], metrics_collector: Any, create):
-    key = (kind, labelnames)
-    fam = _other_families.get(key)
-    if fam is None:
-        Counter, Gauge, Histogram = collector_classes(metrics_collector)
-        extra: dict[str, Any] = {}
-        first = not any(k == kind for k, _ in _other_families)
-        from prometheus_client import Counter as PromCounter
-
-        if not first and Counter is PromCounter:  # other backends take no registry
-            extra = {"registry": None}
-        fam = _other_families[key] = create(list(labelnames), Counter, Gauge, Histogram, extra)
-    return fam
-
-
-def _create_vote_families(names: list[str], Counter, Gauge, Histogram, extra) -> dict[str, Any]:
-    return {
-        "pipelined": Gauge(
-            "sglang:hicache_prefetch_votes_pipelined",
-            "1 while this rank decides storage prefetch deadlines with the pipelined "
-            "vote reduce, 0 on SGLang's per-request blocking reduce.",
-            labelnames=names,
-            multiprocess_mode="mostrecent",
-            **extra,
-        ),
-        "wait": Histogram(
-            "sglang:hicache_prefetch_votes_wait_seconds",
-            "Time a scheduling pass waited on the previous pass's vote reduce, observed "
-            "for passes that had one due.",
-            labelnames=names,
-            buckets=WAIT_BUCKETS,
-            **extra,
-        ),
-        "issue": Histogram(
-            "sglang:hicache_prefetch_votes_issue_seconds",
-            "Time a scheduling pass spent voting on every ongoing prefetch and issuing the reduce.",
-            labelnames=names,
-            buckets=ISSUE_BUCKETS,
-            **extra,
-        ),
-        "voted": Counter(
-            "sglang:hicache_prefetch_votes_operations",
-            "Storage prefetch operations voted on: one per operation in a pass's vote "
-            "reduce (at most its 256 slots per pass).",
-            labelnames=names,
-            **extra,
-        ),
-        "stopped": Counter(
-            "sglang:hicache_prefetch_votes_stopped",
-            "Storage prefetch operations stopped on the group's deadline verdict.",
-            labelnames=names,
-            **extra,
-        ),
-        "failures": Counter(
-            "sglang:hicache_prefetch_votes_failures",
-            "Prefetch vote errors: ranks that disagree (mismatch) or a failed collective.",
-            labelnames=[*names, "reason"],
-            **extra,
-        ),
-    }
-
-
-class PrefetchVoteMetrics:
+class PrefetchVoteMetrics(SyncSeries):
     """One cache's prefetch-vote series (created with --enable-metrics)."""
 
-    def __init__(self, labels: Mapping[str, Any], metrics_collector: Any = None):
-        self.labels = {k: str(v) for k, v in labels.items()}
-        fam = _families_for("votes", tuple(self.labels), metrics_collector, _create_vote_families)
-        self.pipelined = fam["pipelined"].labels(**self.labels)
-        self.wait = fam["wait"].labels(**self.labels)
-        self.issue = fam["issue"].labels(**self.labels)
-        self.voted = fam["voted"].labels(**self.labels)
-        self.stopped = fam["stopped"].labels(**self.labels)
-        self._failures = fam["failures"]
-
-    def on_path(self, pipelined: bool) -> None:
-        self.pipelined.set(1 if pipelined else 0)
+    sync = "votes"
+    voted: Any
+    stopped: Any
 
     def on_pass(self, wait_s: Optional[float], issue_s: float, voted: int) -> None:
         """``wait_s`` is None when no vote reduce was due (the first pass)."""
@@ -341,56 +293,21 @@ class PrefetchVoteMetrics:
         self.stopped.inc()
 
     def on_failure(self, reason: str) -> None:
-        self._failures.labels(**self.labels, reason=reason).inc()
+        self.families["failures"].labels(**self.labels, reason=reason).inc()
 
 
 # ------------------------------------------------------ PD decode offload sync
-def _create_offload_families(names: list[str], Counter, Gauge, Histogram, extra) -> dict[str, Any]:
-    return {
-        "pipelined": Gauge(
-            "sglang:hicache_decode_offload_sync_pipelined",
-            "1 while PD decode offload progress is pipelined, 0 on SGLang's blocking reduce.",
-            labelnames=names,
-            multiprocess_mode="mostrecent",
-            **extra,
-        ),
-        "wait": Histogram(
-            "sglang:hicache_decode_offload_sync_wait_seconds",
-            "Time a decode step waited on the previous step's offload reduce.",
-            labelnames=names,
-            buckets=WAIT_BUCKETS,
-            **extra,
-        ),
-        "popped": Counter(
-            "sglang:hicache_decode_offload_sync_popped_entries",
-            "Offload acks and storage backups popped on the group's agreement.",
-            labelnames=[*names, "queue"],
-            **extra,
-        ),
-    }
-
-
-class OffloadSyncMetrics:
+class OffloadSyncMetrics(SyncSeries):
     """The decode offload sync's series (created when SGLang's metrics are on)."""
 
-    def __init__(self, labels: Mapping[str, Any], metrics_collector: Any = None):
-        self.labels = {k: str(v) for k, v in labels.items()}
-        fam = _families_for(
-            "offload", tuple(self.labels), metrics_collector, _create_offload_families
-        )
-        self.pipelined = fam["pipelined"].labels(**self.labels)
-        self.wait = fam["wait"].labels(**self.labels)
-        self._popped = fam["popped"]
-
-    def on_path(self, pipelined: bool) -> None:
-        self.pipelined.set(1 if pipelined else 0)
+    sync = "offload"
 
     def on_step(self, wait_s: float, pops: Mapping[Hashable, int]) -> None:
         self.wait.observe(wait_s)
         for name, n in pops.items():
             if n:
-                queue = "offload" if name == "ack_write_queue" else "backup"
-                self._popped.labels(**self.labels, queue=queue).inc(n)
+                queue = "offload" if name == OFFLOAD_QUEUES[0] else "backup"
+                self.families["popped"].labels(**self.labels, queue=queue).inc(n)
 
 
 def never_raising(make, what: str, labels: Mapping[str, Any]):

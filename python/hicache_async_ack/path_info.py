@@ -18,10 +18,11 @@ import logging
 import re
 from typing import Any, Mapping, Optional
 
-logger = logging.getLogger("sglang.srt.mem_cache.hicache_async_ack")
+from .names import ACK, LOGGER_NAME, SYNCS, VOTES
+
+logger = logging.getLogger(LOGGER_NAME)
 
 NAME = "sglang:hicache_sync_path_info"
-SYNCS = ("ack_counts", "prefetch_votes", "decode_offload")
 # pipelined; blocking: SGLang's own blocking path on a cache the plugin hooks;
 # off: the plugin registered nothing for it (disabled, guard, in-tree SGLang).
 PATHS = ("pipelined", "blocking", "off")
@@ -104,14 +105,14 @@ def path_of(pipelined: bool, off: bool = False) -> str:
 
 # The syncs a UnifiedRadixCache carries (the decode offload sync lives on PD
 # decode's offload manager, which is built elsewhere and announces itself).
-CACHE_SYNCS = ("ack_counts", "prefetch_votes")
+CACHE_SYNCS = (ACK, VOTES)
 
 
 def inert_hook(reason: str, syncs: tuple[str, ...] = CACHE_SYNCS):
-    """An AFTER hook for the cache's ``init_hicache`` where the plugin stands
-    down as a whole (the version guard refused this SGLang): it publishes path
-    ``off`` with ``reason`` for each sync under the cache's own metric labels,
-    so "installed and not pipelining" is visible. It reads only
+    """An AFTER hook for the cache's ``init_hicache`` where features stand down
+    (the version guard refused this SGLang for them): it publishes path ``off``
+    with ``reason`` for each of ``syncs`` under the cache's own metric labels,
+    so "installed and not pipelining" is visible, sync by sync. It reads only
     ``cache.metrics_collector`` (present with --enable-metrics), touches nothing
     else, takes any arguments (the hooked signature may have changed) and never
     raises."""

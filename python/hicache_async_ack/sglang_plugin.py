@@ -1,6 +1,7 @@
-"""The SGLang plugin's entry point: :func:`register` walks the features
-(:mod:`hicache_async_ack.features`), each registering its own hooks, after the
-version guard (:mod:`hicache_async_ack.guard`) said which may run.
+"""The SGLang plugin's entry point: :func:`register` judges each feature
+(:mod:`hicache_async_ack.features`) with the version guard
+(:mod:`hicache_async_ack.guard`) on the methods that feature wraps or relies
+on, and registers the hooks of those that may run.
 
 Entry point ``hicache_async_ack = hicache_async_ack.sglang_plugin:register`` in
 the group ``sglang.srt.plugins`` (a public contract: operators' SGLANG_PLUGINS
@@ -15,7 +16,6 @@ import logging
 from typing import Optional
 
 from . import path_info
-from .adapter import hook, is_hooked
 from .env import (
     ALLOW_UNTESTED_VAR,
     ENABLE_VAR,
@@ -27,19 +27,21 @@ from .env import (
 from .features import all_features
 from .features.ack_sync import TAG
 from .guard import CACHE_CLASS, Verdict, check_installed, remember
+from .kit.feature import Feature
+from .kit.hooks import hook, is_hooked, registrations
+from .names import LOGGER_NAME, TITLES
 
-logger = logging.getLogger("sglang.srt.mem_cache.hicache_async_ack")
+logger = logging.getLogger(LOGGER_NAME)
 
 
 def config_error_hook(error: ValueError):
     """A BEFORE init_hicache hook that raises ``error``: load_plugins() swallows
     what register() raises, so a bad setting stops the server here instead."""
 
-    @hook
     def before_init_hicache(cache, *args, **kwargs):
         raise error
 
-    return before_init_hicache
+    return hook(before_init_hicache)
 
 
 def register() -> None:
@@ -71,26 +73,28 @@ def register() -> None:
             IN_TREE_MODULE,
         )
         return
-    verdict = guard_allows(untested_ok)
-    if verdict is None:
-        # No sync hook; one that only exports path "off" per rank, so an inert
-        # plugin is visible (sglang:hicache_sync_path_info, docs/monitoring.md).
-        info = path_info.inert_hook("untested_release")
-        HookRegistry.register(f"{CACHE_CLASS}.init_hicache", info, HookType.AFTER)
-        return
-    registered = 0
+    verdict = judge_installed(untested_ok)
+    allowed: list[Feature] = []
+    standing_down: dict[str, str] = {}  # sync -> reason code
     for feature in all_features():
-        # A feature whose hooked methods this SGLang lacks registers nothing (the
-        # decode offload sync on 0.5.20); otherwise its state decides per object,
-        # from the guard's verdict on its own targets, and says why.
-        absent = verdict.missing_methods(h.method for h in feature.hooks)
-        if absent:
-            logger.info("%s: %s not hooked: this SGLang lacks %s", TAG, feature.sync, absent)
-            continue
-        for h in feature.hooks:
-            HookRegistry.register(f"{h.target}.{h.method}", h.fn, getattr(HookType, h.kind))
-            registered += 1
-    logger.debug("hicache-async-ack: registered %d hooks", registered)
+        if verdict is None:
+            standing_down[feature.sync] = "untested_release"
+        elif allows(verdict, feature, untested_ok):
+            allowed.append(feature)
+        else:
+            absent = verdict.feature(feature.sync).status == "absent"
+            standing_down[feature.sync] = "not_in_release" if absent else "untested_release"
+    hooks = [h for feature in allowed for h in feature.hooks]
+    for target, kind, fn in registrations(hooks):
+        HookRegistry.register(target, fn, getattr(HookType, kind))
+    # A feature that stands down on this SGLang is visible per rank all the same:
+    # path "off" and why, on every cache (sglang:hicache_sync_path_info).
+    for reason in sorted(set(standing_down.values())):
+        syncs = tuple(s for s in path_info.CACHE_SYNCS if standing_down.get(s) == reason)
+        if syncs:
+            info = path_info.inert_hook(reason, syncs)
+            HookRegistry.register(f"{CACHE_CLASS}.init_hicache", info, HookType.AFTER)
+    logger.debug("hicache-async-ack: registered %d hooks", len(hooks))
 
 
 IN_TREE_MODULE = "sglang.srt.mem_cache.unified_cache.hicache_ack_sync"  # upstream-patch adds it
@@ -107,9 +111,9 @@ def carries_the_sync_itself() -> bool:
         return False
 
 
-def guard_allows(untested_ok: bool) -> Optional[Verdict]:
-    """The version guard's verdict on this SGLang, logged once per process, if
-    it lets the plugin register (None if not)."""
+def judge_installed(untested_ok: bool) -> Optional[Verdict]:
+    """The version guard's verdict on this SGLang, remembered for every feature
+    (None, logged, if it cannot judge: then every feature stands down)."""
     try:
         verdict = check_installed()
     except Exception as exc:  # e.g. the table missing from a broken install
@@ -117,38 +121,53 @@ def guard_allows(untested_ok: bool) -> Optional[Verdict]:
         logger.error("%s: cannot judge this SGLang (%r); registering no hooks", TAG, exc)
         return None
     remember(verdict, untested_ok)  # every feature reads its own verdict from it
-    if verdict.status == "tested":
-        logger.info("%s: %s; pipelining allowed", TAG, verdict.summary())
-        return verdict
-    if verdict.status == "incompatible":
+    return verdict
+
+
+def allows(verdict: Verdict, feature: Feature, untested_ok: bool) -> bool:
+    """Whether ``feature`` may run on this SGLang, said once per process: the
+    guard's verdict on its own methods, whatever the other features' are."""
+    judged = verdict.feature(feature.sync)
+    title = TITLES[feature.sync]
+    summary = judged.summary(verdict)
+    if judged.status == "tested":
+        logger.info("%s (%s): %s; pipelining allowed", title, TAG, summary)
+        return True
+    if judged.status == "absent":
+        logger.info("%s (%s): not hooked: %s", title, TAG, summary)
+        return False
+    if judged.status == "incompatible":
         logger.warning(
-            "%s: %s. Registering no hooks, stock behaviour kept (%s cannot override "
-            "this: the hooks need these methods, called with these parameters).",
+            "%s (%s): %s. Not hooked, stock behaviour kept (%s cannot override this: the "
+            "hooks need these methods, called with these parameters).",
+            title,
             TAG,
-            verdict.summary(),
+            summary,
             ALLOW_UNTESTED_VAR,
         )
-        return None
+        return False
     if not untested_ok:
         logger.warning(
-            "%s: %s. Registering no hooks, stock behaviour kept. Tested: %s. To run "
-            "anyway after reading what changed, set %s=1 on every node.",
+            "%s (%s): %s. Not hooked, stock behaviour kept. Tested: %s. To run anyway "
+            "after reading what changed, set %s=1 on every node.",
+            title,
             TAG,
-            verdict.summary(),
+            summary,
             ", ".join(verdict.tested),
             ALLOW_UNTESTED_VAR,
         )
-        return None
+        return False
     logger.warning(
-        "%s: RUNNING ON AN UNTESTED SGLANG because %s=1. %s. The pipelined ack sync "
-        "was not tested against these methods: if they changed what they return or "
-        "pop, the server can fail or the ranks can pop different entries. Tested: %s.",
+        "%s (%s): RUNNING ON AN UNTESTED SGLANG because %s=1. %s. It was not tested "
+        "against these methods: if they changed what they return or pop, the server "
+        "can fail or the ranks can pop different entries. Tested: %s.",
+        title,
         TAG,
         ALLOW_UNTESTED_VAR,
-        verdict.summary(),
+        summary,
         ", ".join(verdict.tested),
     )
-    return verdict
+    return True
 
 
 __all__ = ["register", "is_hooked"]

@@ -22,7 +22,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 # The wire protocol of the pipelined reduce: bump it whenever what a reduce
 # means changes (its layout, the stamp, when it is consumed). Its place at the
 # top of the stamp never moves, so any two versions can tell they differ.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the fused layout (layout flags after the stamp, riders after them)
 
 OBS_BITS = 12  # the per-rank observation (auto depth's wait signal)
 DIGEST_BITS = 42  # upstream's reclaim digest is masked to 42 bits
@@ -106,6 +106,14 @@ def pack_stamp(protocol: int, auto: bool, depth: int, digest: int, obs: int) -> 
     x = (x << DEPTH_BITS) | depth
     x = (x << DIGEST_BITS) | fold_digest(digest)
     return (x << OBS_BITS) | min(max(obs, 0), OBS_MAX)
+
+
+def stamps_differ(x: int, lo_x: int, hi_x: int) -> bool:
+    """Whether the group's min and max of the stamp differ from this rank's
+    ``x`` in any agreed field: they all sit above the observation, so they are
+    equal exactly when equal there (the observation's max rides along)."""
+    agreed = x >> OBS_BITS
+    return lo_x >> OBS_BITS != agreed or hi_x >> OBS_BITS != agreed
 
 
 def describe_mismatch(mine: Stamp, lo: Stamp, hi: Stamp, hints: Mapping[str, str]) -> str:

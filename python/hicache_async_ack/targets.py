@@ -11,14 +11,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .fingerprint import BODY, SIGNATURE
+from .names import ACK, OFFLOAD, SYNCS, VOTES
 
 CACHE_MODULE = "sglang.srt.mem_cache.unified_radix_cache"
 CACHE_CLASS = f"{CACHE_MODULE}.UnifiedRadixCache"
 MANAGER_MODULE = "sglang.srt.disaggregation.decode_kvcache_offload_manager"
 MANAGER_CLASS = f"{MANAGER_MODULE}.DecodeKVCacheOffloadManager"
 
-ACK, VOTES, OFFLOAD = "ack_counts", "prefetch_votes", "decode_offload"
-ALL = (ACK, VOTES, OFFLOAD)
+ALL = SYNCS
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,9 @@ TARGETS: tuple[Target, ...] = (
         "UnifiedRadixCache._sync_hicache_ready_counts",
         ("self",),
         BODY,
-        "hooked AROUND: the plugin answers it; the tuple it returns and what it counts",
+        "hooked AROUND: the ack sync answers it (the tuple it returns, what it counts); "
+        "on upstream's path the votes' section rides its one MIN reduce",
+        (ACK, VOTES),
     ),
     Target(
         _URC,
@@ -106,7 +108,9 @@ TARGETS: tuple[Target, ...] = (
         "UnifiedRadixCache._all_reduce",
         None,
         BODY,
-        "the reduce the plugin replaces (pp_size 1: the attention groups only)",
+        "the reduce the plugin replaces (pp_size 1: the attention groups only); the "
+        "first exchanges and the votes' ride go through it",
+        (ACK, VOTES),
     ),
     Target(
         _URC,
@@ -138,6 +142,24 @@ TARGETS: tuple[Target, ...] = (
         ("self", "operation"),
         BODY,
         "the deadline predicate each rank votes with (PP0's view, as upstream reduces it)",
+        (VOTES,),
+    ),
+    Target(
+        _URC,
+        "UnifiedRadixCache.finish_storage_prefetch_admission",
+        ("self", "request", "fulfilled_tokens", "reason"),
+        BODY,
+        "hooked AFTER: the scheduler calls it for every request it admits, in order "
+        "(the votes' admission check)",
+        (VOTES,),
+    ),
+    Target(
+        _URC,
+        "UnifiedRadixCache._start_storage_prefetch_wait",
+        ("self", "operation"),
+        BODY,
+        "starts the deadline at the first check that finds the prefetch unfinished "
+        "(after the votes' _can_terminate_prefetch answered no)",
         (VOTES,),
     ),
     Target(

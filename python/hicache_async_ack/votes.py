@@ -1,62 +1,76 @@
-"""Engine-agnostic core: pipelined termination votes for ongoing storage prefetches.
+"""Engine-agnostic core: termination votes for ongoing storage prefetches, and
+the admission check, as one section of a reduce another sync carries.
 
-No SGLang or torch import here. Under a deadline ("timeout") policy, every rank
-must reach the same verdict on whether an ongoing prefetch operation may stop
-waiting, although each rank reads its own clock. Upstream asks one blocking
-collective per operation checked. Here the owner hands in, once per scheduling
-pass, every ongoing operation with this rank's vote (deadline passed or not);
-one MIN-reduce of a fixed-size vector carries all of them, issued async and
-consumed at the next pass: an operation is terminated when *some* rank voted
-for it (upstream's MAX, sent as MIN of ``1 - vote``).
+No SGLang or torch import here. Under a deadline ("timeout") policy stock SGLang
+decides, each time a rank's waiting-queue walk reaches a request with an ongoing
+prefetch, whether that prefetch stops waiting: one blocking MAX all_reduce of
+"this rank's deadline passed" per request reached. A deadline is therefore only
+ever judged for a request the walk reached, on every rank (a collective), and a
+request left behind a full batch keeps prefetching however late it is.
 
-Agreement by identity. The verdicts consumed at pass t+1 are keyed by the
-operation objects voted on at pass t, never by position or request id: an
-operation that left meanwhile (completed, revoked, reset, storage detached) is
-never asked about again, and a new operation for the same request has no
-verdict until it has been voted on. Operations are ordered by their key (the
-request handle) before voting, so arrival order on each rank does not matter.
+Here each rank notes, during its walk, every request it reached and whether its
+deadline had passed then (:meth:`VoteBook.poll`), and every request it admitted
+to the batch, in order (:meth:`VoteBook.admit`). At the next pass boundary the
+walk is closed into one fixed-size section of int64 values (:meth:`VoteBook.close`)
+that rides a MIN-reduce another sync issues anyway (the ack counts' reduce), and
+is read back when that reduce is consumed (:meth:`VoteBook.read`): an operation
+stops by deadline only where every rank reached it in that walk and some rank
+saw its deadline passed, exactly stock's verdict for that walk. A slot is 0 for
+"not reached here" (a veto: MIN < 2), 2 for "reached, deadline passed", 3 for
+"reached, not passed"; MIN == 2 is stop.
 
-Agreement on the set. Every reduce starts with ``[n, -n, x, -x]``: the number of
-operations and a :class:`~hicache_async_ack.core.Stamp` whose digest is a hash
-of the sorted keys. Ranks that disagree on the set of ongoing operations (or on
-the protocol) stop with :class:`PrefetchVoteMismatch` before any verdict is used.
+Agreement by identity. The verdicts are keyed by the operation objects voted on,
+never by position or request id: an operation that left meanwhile (completed,
+revoked, reset, storage detached) is never asked about again, and a new one for
+the same request has no verdict until it has been voted on. Operations are
+ordered by their key (the request handle) before voting, so arrival order on
+each rank does not matter.
+
+Agreement on the set and on the batch. Every section starts with ``[n, -n, x,
+-x]``: the number of operations and a stamp whose digest hashes the sorted keys;
+then ``[a, -a]``, one ``[h, -h]`` per position of the first ADMIT_SLOTS requests
+admitted in that walk and ``[d, -d]`` over all of them. Ranks that disagree on
+the set stop with :class:`PrefetchVoteMismatch` before any verdict is used;
+ranks that admitted different requests (SGLang #30760's loop skew: the TP ranks
+would run different batches) stop with :class:`AdmissionMismatch`, naming the
+pass and the first request that differs. Keyed on admission, not on what a walk
+reached: a request one rank reached and could not admit leaves the same batch.
 
 Fixed size. Gloo aborts the process when two ranks pair collectives of different
-sizes, so the vector always has ``VOTE_SLOTS`` slots: with more operations than
-that, each pass votes on the ``VOTE_SLOTS`` that were voted on longest ago (never
-first, then by key): a round robin by staleness that every rank derives from the
-same history (the same agreed sets, pass after pass), so every operation is voted
-on at least once every ``ceil(n / VOTE_SLOTS)`` passes whatever order its key sorts
-in and however the set churns (a window sliding by ``VOTE_SLOTS mod n`` let the
-same operation fall outside it for hundreds of passes).
+sizes, so a section always has ``VOTE_SLOTS`` vote slots: with more operations
+than that, each section votes on the ``VOTE_SLOTS`` voted on longest ago (never
+first, then by key): a round robin by staleness every rank derives from the same
+agreed history, so every operation is voted on at least once every
+``ceil(n / VOTE_SLOTS)`` sections whatever order its key sorts in.
 """
 
 from __future__ import annotations
 
 import hashlib
-import time
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping, NoReturn, Optional, Sequence
 
 from .stamp import (
-    OBS_BITS,
     STOCK_LIMIT,
-    Collective,
-    Handle,
     HiCacheAckSyncError,
     HiCacheAckSyncMismatch,
     Stamp,
     describe_mismatch,
     pack_stamp,
+    stamps_differ,
 )
 
-# The stamp's protocol field for vote reduces. Far from the ack sync's versions
-# (1, 2, ...), so a vote reduce that pairs with an ack reduce is named as such.
-VOTES_PROTOCOL = 9
-VOTE_SLOTS = 256  # votes per reduce (2 KiB of int64: costs gloo what 8 bytes cost)
+# The stamp's protocol field for vote sections and the votes' own first exchange.
+# Far from the ack sync's versions (1, 2, ...), so one that pairs with an ack
+# reduce is named as such. 10: reached-and-expired slots, the admission check.
+VOTES_PROTOCOL = 10
+VOTE_SLOTS = 256  # votes per section (2 KiB of int64: costs gloo what 8 bytes cost)
+ADMIT_SLOTS = 16  # admitted requests compared one by one (the rest by one digest)
 HEADER = 4  # [n, -n, x, -x]
-LAYOUT = HEADER + VOTE_SLOTS
-NO_VOTE = 1  # a slot's value when nobody wants to stop: MIN == 0 means "stop"
+ADMIT = 2 + 2 * ADMIT_SLOTS + 2  # [a, -a], [h, -h] per position, [d, -d]
+LAYOUT = HEADER + ADMIT + VOTE_SLOTS  # values per section
+NOT_REACHED, REACHED_EXPIRED, REACHED = 0, 2, 3  # a slot's value; MIN == 2: stop
+SKEW_ISSUE = "SGLang #30760"
 
 
 class PrefetchVoteError(HiCacheAckSyncError):
@@ -66,11 +80,22 @@ class PrefetchVoteError(HiCacheAckSyncError):
 
 class PrefetchVoteMismatch(PrefetchVoteError, HiCacheAckSyncMismatch):
     """The ranks disagree on the set of ongoing prefetch operations or on the
-    protocol; raised on every rank before any verdict of that reduce is used."""
+    protocol; raised on every rank before any verdict of that section is used."""
+
+
+class AdmissionMismatch(PrefetchVoteMismatch):
+    """The ranks admitted different requests to the batch in one scheduling pass
+    (their waiting-queue walks diverged: SGLang #30760); raised on every rank."""
+
+
+def key_hash(key: Hashable) -> int:
+    """A 42-bit hash of one key, never 0 (0 marks "no request")."""
+    h = hashlib.blake2b(repr(key).encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "big") % (STOCK_LIMIT - 1) + 1
 
 
 def set_digest(keys: Sequence[Hashable]) -> int:
-    """A 42-bit digest of the sorted operation keys (the stamp's digest field)."""
+    """A 42-bit digest of a sequence of keys (order matters)."""
     h = hashlib.blake2b(digest_size=8)
     for k in keys:
         h.update(repr(k).encode())
@@ -79,8 +104,8 @@ def set_digest(keys: Sequence[Hashable]) -> int:
 
 
 def window(keys: Sequence[Hashable], last_voted: Mapping[Hashable, int]) -> range | list[int]:
-    """Indices (into the key-sorted operations ``keys``) voted on this pass: all
-    of them if they fit, else the VOTE_SLOTS voted on longest ago, in key order."""
+    """Indices (into the key-sorted operations ``keys``) voted on this section:
+    all of them if they fit, else the VOTE_SLOTS voted on longest ago, in key order."""
     n = len(keys)
     if n <= VOTE_SLOTS:
         return range(n)
@@ -88,14 +113,18 @@ def window(keys: Sequence[Hashable], last_voted: Mapping[Hashable, int]) -> rang
     return sorted(stale[:VOTE_SLOTS])
 
 
+def pairs(values: Sequence[int]) -> list[int]:
+    """``[v, -v]`` for each value: MIN-reduced, the group's min and max of each."""
+    return [w for v in values for w in (v, -v)]
+
+
 @dataclass
 class Verdicts:
-    """The group's verdicts from one reduce: which operations may stop."""
+    """The group's verdicts from one section: which operations stop by deadline."""
 
-    pass_no: int  # the pass the reduce was issued at
+    pass_no: int  # the walk the section closed (see Ballot.pass_no)
     voted: int  # operations it voted on
     stop: dict[int, object] = field(default_factory=dict)  # id(op) -> op (kept alive)
-    waited_s: float = 0.0  # how long this rank waited on it
 
     def __call__(self, op: object) -> bool:
         return self.stop.get(id(op)) is op
@@ -104,115 +133,107 @@ class Verdicts:
         return len(self.stop)
 
 
-class _Ballot:
-    __slots__ = ("handle", "ops", "n", "x", "pass_no")
+@dataclass(frozen=True)
+class Ballot:
+    """What one rank put in a section (its token, handed back with the reduce).
+    ``pass_no``: the scheduling pass whose walk it closed, N for the walk after
+    the cache's Nth pass boundary (its Nth check_hicache_events call), the same
+    on every rank."""
 
-    def __init__(self, handle: Handle, ops: tuple, n: int, x: int, pass_no: int):
-        self.handle = handle
-        self.ops = ops  # the operations in this pass's window, in slot order
-        self.n = n
-        self.x = x
-        self.pass_no = pass_no
+    pass_no: int
+    ops: tuple  # the operations in the section's window, in slot order
+    n: int
+    x: int
+    admitted: tuple  # the keys this rank admitted in the walk, in order
 
 
-class PipelinedVotes:
-    """One vote reduce per pass in flight; its verdicts are consumed at the next.
+class VoteBook:
+    """One cache's walk record and vote history. Per pass boundary the owner
+    calls :meth:`close` (the walk since the last boundary, as a section) or
+    :meth:`discard` (no section this pass), and :meth:`read` on each section
+    reduced, in the order they were closed."""
 
-    Per pass the owner calls :meth:`consume` (waits on the reduce issued at the
-    previous pass, if any) and then :meth:`issue`. Every rank issues exactly one
-    reduce per pass and waits on it at the next, by pass count alone."""
-
-    def __init__(self, collective: Collective, *, hints: Optional[Mapping[str, str]] = None):
-        self.collective = collective
+    def __init__(self, *, hints: Optional[Mapping[str, str]] = None):
         self.hints = dict(hints or {})
-        self._pending: Optional[_Ballot] = None
-        self._failed: Optional[BaseException] = None
-        self._passes = 0
-        # key -> the pass it was last voted on (only while there are more
-        # operations than slots: below that, every one is voted on every pass)
+        self.reached: dict[int, tuple[object, bool]] = {}  # id(op) -> (op, expired seen)
+        self.admitted: list[Hashable] = []
+        self.walks = 0  # pass boundaries seen (walks closed or dropped; equal on every rank)
+        # key -> the walk it was last voted in (only while there are more
+        # operations than slots: below that, every one is voted on every section)
         self._last_voted: dict[Hashable, int] = {}
 
-    @property
-    def pending(self) -> int:
-        return int(self._pending is not None)
+    # ---------------------------------------------------------------- the walk
+    def poll(self, op: object, expired: bool) -> None:
+        """The walk reached ``op``'s request; ``expired``: its deadline had passed
+        on this rank then (several reaches in one walk: passed at any of them)."""
+        seen = self.reached.get(id(op))
+        self.reached[id(op)] = (op, expired or (seen is not None and seen[1]))
 
-    @property
-    def failed(self) -> Optional[BaseException]:
-        return self._failed
+    def admit(self, key: Hashable) -> None:
+        self.admitted.append(key)
 
-    @property
-    def passes(self) -> int:
-        return self._passes
+    def discard(self) -> None:
+        """A pass boundary with no section: this walk is not voted on."""
+        self.reached.clear()
+        self.admitted.clear()
+        self.walks += 1
 
-    def _check_usable(self) -> None:
-        if self._failed is not None:
-            raise PrefetchVoteError(
-                f"HiCache prefetch votes already failed on this rank and will not retry: "
-                f"{self._failed}"
-            ) from self._failed
-
-    def issue(self, ops: Sequence[tuple[Any, object, bool]]) -> None:
-        """Start the reduce over ``(key, operation, this rank votes to stop)``
-        for every ongoing operation (any order; keys sortable and equal across
-        ranks for the same operation)."""
-        self._check_usable()
-        if self._pending is not None:
-            raise PrefetchVoteError("HiCache prefetch votes: issue() twice without consume()")
+    # ------------------------------------------------------------- the section
+    def close(self, ops: Sequence[tuple[Any, object]]) -> tuple[list[int], Ballot]:
+        """The section for every ongoing operation ``(key, op)`` (any order; keys
+        sortable and equal across ranks for the same operation), with this
+        walk's reaches and admissions; the walk starts afresh."""
         ranked = sorted(ops, key=lambda o: o[0])
+        keys = [k for k, _ in ranked]
         n = len(ranked)
-        x = pack_stamp(VOTES_PROTOCOL, False, 1, set_digest([k for k, _, _ in ranked]), 0)
-        values = [n, -n, x, -x] + [NO_VOTE] * VOTE_SLOTS
-        picked = []
-        keys = [k for k, _, _ in ranked]
+        x = pack_stamp(VOTES_PROTOCOL, False, 1, set_digest(keys), 0)
+        admitted = tuple(self.admitted)
+        head = [key_hash(k) for k in admitted[:ADMIT_SLOTS]]
+        head += [0] * (ADMIT_SLOTS - len(head))
+        values = pairs([n, x, len(admitted), *head, set_digest(admitted)])
         chosen = window(keys, self._last_voted)
+        picked = []
+        slots = [REACHED] * VOTE_SLOTS
         for slot, i in enumerate(chosen):
-            _, op, stop = ranked[i]
+            op = ranked[i][1]
             picked.append(op)
-            values[HEADER + slot] = 0 if stop else NO_VOTE
+            seen = self.reached.get(id(op))
+            if seen is None or seen[0] is not op:
+                slots[slot] = NOT_REACHED
+            else:
+                slots[slot] = REACHED_EXPIRED if seen[1] else REACHED
         if n <= VOTE_SLOTS:
             self._last_voted.clear()  # all voted: no one is staler than another
         else:
             last = self._last_voted
             self._last_voted = {k: last[k] for k in keys if k in last}
             for i in chosen:
-                self._last_voted[keys[i]] = self._passes
-        try:
-            handle = self.collective(values)
-        except Exception as exc:  # re-raised with context
-            self._fail(exc, "issuing")
-        self._passes += 1
-        self._pending = _Ballot(handle, tuple(picked), n, x, self._passes)
+                self._last_voted[keys[i]] = self.walks
+        ballot = Ballot(self.walks, tuple(picked), n, x, admitted)  # the walk after boundary #walks
+        self.discard()
+        return values + slots, ballot
 
-    def consume(self) -> Optional[Verdicts]:
-        """The verdicts of the reduce issued at the previous pass (None if none)."""
-        self._check_usable()
-        b, self._pending = self._pending, None
-        if b is None:
-            return None
-        t0 = time.perf_counter()
-        try:
-            reduced = b.handle.wait()
-        except Exception as exc:  # re-raised with context
-            self._fail(exc, f"waiting on vote reduce #{b.pass_no}")
-        waited = time.perf_counter() - t0
+    def read(self, ballot: Ballot, reduced: Sequence[int]) -> Verdicts:
+        """The group's verdicts from ``ballot``'s reduced section; raises on every
+        rank, before any verdict is used, if the ranks disagree."""
         if len(reduced) != LAYOUT:
-            self._fail(ValueError(f"reduced {len(reduced)} values, issued {LAYOUT}"), "reading")
-        lo_n, hi_n, lo_x, hi_x = reduced[0], -reduced[1], reduced[2], -reduced[3]
-        agreed = b.x >> OBS_BITS
-        if lo_x >> OBS_BITS != agreed or hi_x >> OBS_BITS != agreed or lo_n != hi_n:
-            self._mismatch(b, lo_n, hi_n, lo_x, hi_x)
-        out = Verdicts(b.pass_no, len(b.ops), waited_s=waited)
-        for slot, op in enumerate(b.ops):
-            if reduced[HEADER + slot] == 0:
+            raise PrefetchVoteError(
+                f"HiCache prefetch votes: reduced {len(reduced)} values, issued {LAYOUT}"
+            )
+        lo = reduced[0 : HEADER + ADMIT : 2]
+        hi = [-v for v in reduced[1 : HEADER + ADMIT : 2]]
+        (lo_n, lo_x, lo_a), (hi_n, hi_x, hi_a) = lo[:3], hi[:3]
+        if stamps_differ(ballot.x, lo_x, hi_x) or lo_n != hi_n:
+            self._set_mismatch(ballot, lo_n, hi_n, lo_x, hi_x)
+        if lo[3:] != hi[3:] or lo_a != hi_a:
+            self._admission_mismatch(ballot, lo_a, hi_a, lo[3:-1], hi[3:-1])
+        out = Verdicts(ballot.pass_no, len(ballot.ops))
+        for slot, op in enumerate(ballot.ops):
+            if reduced[HEADER + ADMIT + slot] == REACHED_EXPIRED:
                 out.stop[id(op)] = op
         return out
 
-    def drain(self) -> None:
-        """Wait on the reduce in flight and drop its verdicts (standing down:
-        every rank does so at the same pass, so the collectives stay paired)."""
-        self.consume()
-
-    def _mismatch(self, b: _Ballot, lo_n: int, hi_n: int, lo_x: int, hi_x: int) -> NoReturn:
+    def _set_mismatch(self, b: Ballot, lo_n: int, hi_n: int, lo_x: int, hi_x: int) -> NoReturn:
         lo, hi = Stamp.unpack(lo_x), Stamp.unpack(hi_x)
         if lo.protocol != hi.protocol or lo.protocol != VOTES_PROTOCOL:
             why = describe_mismatch(Stamp.unpack(b.x), lo, hi, self.hints)
@@ -226,30 +247,49 @@ class PipelinedVotes:
                 f"the set of ongoing storage prefetch operations differs across the group "
                 f"({b.n} on every rank, but not the same requests: ranks diverged)."
             )
-        err = PrefetchVoteMismatch(
-            f"HiCache prefetch votes: ranks disagree on vote reduce #{b.pass_no}: {why} "
-            "No verdict was used; stopping."
+        raise PrefetchVoteMismatch(
+            f"HiCache prefetch votes: ranks disagree on the votes of scheduling pass "
+            f"{b.pass_no}: {why} No verdict was used; stopping."
         )
-        self._failed = err
-        raise err
 
-    def _fail(self, exc: BaseException, doing: str) -> NoReturn:
-        self._pending = None
-        self._failed = exc
-        raise PrefetchVoteError(
-            f"HiCache prefetch votes failed while {doing}: {exc}. A peer rank may have "
-            "died, run another configuration, or the collective timed out; not retrying."
-        ) from exc
+    def _admission_mismatch(
+        self, b: Ballot, lo_a: int, hi_a: int, lo_h: Sequence[int], hi_h: Sequence[int]
+    ) -> NoReturn:
+        at = next((i for i, (a, c) in enumerate(zip(lo_h, hi_h)) if a != c), None)
+        if at is None:  # the first ADMIT_SLOTS agree; only the digest of the rest differs
+            first = f"past request #{ADMIT_SLOTS} of the batch (the first {ADMIT_SLOTS} agree)"
+        else:
+            mine = describe_key(b.admitted[at]) if at < len(b.admitted) else "nothing"
+            first = f"request #{at + 1} of the batch, where this rank admitted {mine}"
+        raise AdmissionMismatch(
+            f"HiCache prefetch votes: ranks admitted different requests to the batch in "
+            f"scheduling pass {b.pass_no}: the first difference is {first} "
+            f"(this rank admitted {len(b.admitted)}, the group {lo_a} to "
+            f"{hi_a}). The TP ranks would run different batches: their waiting-queue walks "
+            f"diverged ({SKEW_ISSUE}: a rank's walk stopped earlier, on its own request "
+            "budget, batch_is_full or an add_one_req that another rank accepted). Stopping."
+        )
+
+
+def describe_key(key: Hashable) -> str:
+    """A request handle's key ``(rid, attempt)`` as the operator reads it."""
+    if isinstance(key, tuple) and len(key) == 2:
+        return f"rid={key[0]!r} (attempt {key[1]})"
+    return repr(key)
 
 
 __all__ = [
+    "ADMIT_SLOTS",
     "LAYOUT",
     "VOTES_PROTOCOL",
     "VOTE_SLOTS",
-    "PipelinedVotes",
+    "AdmissionMismatch",
+    "Ballot",
     "PrefetchVoteError",
     "PrefetchVoteMismatch",
     "Verdicts",
+    "VoteBook",
+    "pairs",
     "set_digest",
     "window",
 ]

@@ -142,23 +142,34 @@ def describe(verdict: Verdict, source: str) -> list[str]:
     lines = [f"sglang {verdict.installed} ({source}) against tested {verdict.range_text}:"]
     width = max(len(m.target.label) for m in verdict.methods)
     lines += [f"  {m.target.label.ljust(width)}  {m.describe()}" for m in verdict.methods]
-    if verdict.status == "tested" and verdict.installed in verdict.tested:
-        lines.append("verdict: a tested release, and every fingerprint matches its record.")
-    elif verdict.status == "tested":
-        lines.append(
-            f"verdict: every fingerprint matches {verdict.release}. To widen the range: "
-            f"record --add {verdict.installed}, bash scripts/test.sh --sglang "
-            f"{verdict.installed}, then README's Supported section (docs/versions.md)."
-        )
-    elif verdict.status == "incompatible":
-        lines.append("verdict: INCOMPATIBLE: " + "; ".join(verdict.incompatible))
+    judged = verdict.features()
+    for f in judged:
+        lines.append(f"{f.feature}: {f.status}: {f.summary(verdict)}")
+    changed = sorted({q for f in judged for q in f.changed})
+    if all(f.status in ("tested", "absent") for f in judged):
+        if verdict.installed in verdict.tested:
+            lines.append("verdict: a tested release, and every fingerprint matches its record.")
+        else:
+            lines.append(
+                f"verdict: every feature's fingerprints match a tested release. To widen the "
+                f"range: record --add {verdict.installed}, bash scripts/test.sh --sglang "
+                f"{verdict.installed}, then README's Supported section (docs/versions.md)."
+            )
+    elif any(f.status == "incompatible" for f in judged):
+        problems = [p for f in judged for p in f.problems]
+        lines.append("verdict: INCOMPATIBLE: " + "; ".join(dict.fromkeys(problems)))
     else:
         lines.append(
-            f"verdict: CHANGED against {verdict.reference}: {', '.join(verdict.changed)}. "
+            f"verdict: CHANGED against {verdict.reference}: {', '.join(changed)}. "
             "Read those changes (--diff) and adapt the plugin where they matter before "
             "recording this release (docs/versions.md)."
         )
     return lines
+
+
+def all_tested(verdict: Verdict) -> bool:
+    """Every feature runs there (or is recorded as absent there)."""
+    return all(f.status in ("tested", "absent") for f in verdict.features())
 
 
 def _normalised_source(read: Callable[[str], Optional[str]], target: upstream.Target) -> list:
@@ -178,8 +189,9 @@ def diff_lines(verdict: Verdict, candidate: Path) -> list[str]:
     ref = archive_reader(fetch(verdict.reference))
     new = archive_reader(candidate)
     out: list[str] = []
+    changed = {q for f in verdict.features() for q in f.changed}
     for m in verdict.methods:
-        if m.target.qualname not in verdict.changed:
+        if m.target.qualname not in changed:
             continue
         out += difflib.unified_diff(
             _normalised_source(ref, m.target),
@@ -196,7 +208,7 @@ def check(release: str, show_diff: bool = False) -> tuple[Verdict, list[str]]:
     wheel, probes = probe_release(release)
     verdict = judge(probes, release)
     lines = describe(verdict, wheel.name)
-    if show_diff and verdict.status != "tested":
+    if show_diff and not all_tested(verdict):
         lines += diff_lines(verdict, wheel)
     lines.append(f"({time.monotonic() - t0:.1f} s)")
     return verdict, lines
@@ -250,7 +262,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command == "check":
             verdict, lines = check(args.release, args.diff)
             print("\n".join(lines))
-            return 0 if verdict.status == "tested" else 1
+            return 0 if all_tested(verdict) else 1
         if args.command == "record":
             releases = list(args.releases)
             if args.add or not releases:

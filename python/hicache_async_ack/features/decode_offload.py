@@ -25,26 +25,17 @@ import os
 import time
 from typing import Hashable, Optional, Sequence
 
-from ..adapter import (
-    Collectives,
-    Decision,
-    Feature,
-    FeatureState,
-    Hook,
-    announce_path,
-    blocking,
-    hook,
-    keep_state,
-    queue_head,
-)
 from ..core import PipelinedAckSync
 from ..env import ENABLE_VAR, OFFLOAD_SYNC_VAR, offload_sync_enabled
 from ..guard import MANAGER_CLASS, feature_release
+from ..kit.collectives import Collectives
+from ..kit.decision import Decision, blocking, untested_release
+from ..kit.feature import Feature, FeatureState
+from ..kit.queues import head_reader
+from ..names import OFFLOAD, OFFLOAD_QUEUES
 from ..stamp import HiCacheAckSyncError, HiCacheAckSyncMismatch
 
-QUEUES = ("ack_write_queue", "ack_backup_queue")
 CODE = 1 << 30  # above any queue size a stock rank sends in the agreement
-STATE_ATTR = "_hicache_offload_sync_state"
 STOCK_HINT = (
     "that rank runs SGLang's blocking offload sync: give every node of the TP group "
     f"the same install and the same {ENABLE_VAR} / {OFFLOAD_SYNC_VAR}."
@@ -52,7 +43,9 @@ STOCK_HINT = (
 
 
 class OffloadSyncState(FeatureState):
-    feature = "decode_offload"
+    """What is kept per DecodeKVCacheOffloadManager."""
+
+    feature = OFFLOAD
 
     def __init__(
         self, manager, enabled: bool, release: Optional[str], coll: Optional[Collectives] = None
@@ -66,23 +59,19 @@ class OffloadSyncState(FeatureState):
                 1,
                 hints={"stock": STOCK_HINT, "protocol": STOCK_HINT},
             )
-        self.agreed = False
         self.draining = False  # inside drain_before_retraction: upstream's path
+        self.head = head_reader(manager)
         if self.static.pipelined:
             self.metrics = metrics_for(manager)
 
-    def decide(self, manager) -> Decision:
-        if not self.static.pipelined:
-            return self.static
-        if not self.agreed:
-            self.agree()
+    def dynamic_blocker(self, manager) -> Optional[Decision]:
         if not self.enabled:
             return blocking(f"{OFFLOAD_SYNC_VAR}=0", "feature_disabled_by_env")
         if self.draining:
             return blocking("drain_before_retraction (pops everything now)", "draining")
-        return self.static
+        return None
 
-    def agree(self) -> None:
+    def first_exchange(self, manager) -> None:
         """Once, blocking, in upstream's layout: see the module docstring."""
         s = CODE + int(self.enabled)
         try:
@@ -105,12 +94,8 @@ class OffloadSyncState(FeatureState):
             )
         self.agreed = True
 
-    def path_line(self, decision: Decision) -> str:
-        line = super().path_line(decision)
-        return line[:-1] + ", depth 1)" if decision.pipelined else line
-
-    def announce(self, decision: Decision) -> None:
-        announce_path(self, decision)
+    def pipelined_details(self, decision: Decision):
+        return (f"world size {decision.world_size}, depth 1",)
 
 
 def metrics_for(manager):
@@ -128,14 +113,11 @@ def metrics_for(manager):
 
 
 def static_decision(manager, release: Optional[str]) -> Decision:
-    if release is None:
-        return blocking(
-            "the guard matched no tested release for DecodeKVCacheOffloadManager's "
-            "methods (docs/versions.md)",
-            "untested_release",
-        )
+    untested = untested_release(release, "DecodeKVCacheOffloadManager's methods")
+    if untested is not None:
+        return untested
     cc = getattr(manager, "cache_controller", None)
-    missing = [q for q in QUEUES if not hasattr(cc, q)]
+    missing = [q for q in OFFLOAD_QUEUES if not hasattr(cc, q)]
     if missing:
         return blocking(f"the offload controller lacks {', '.join(missing)}", "missing_attrs")
     ws = int(getattr(manager, "tp_world_size", 1))
@@ -146,51 +128,47 @@ def static_decision(manager, release: Optional[str]) -> Decision:
     return Decision(True, "TP group", group=manager.tp_group, world_size=ws)
 
 
-def state_of(manager) -> Optional[OffloadSyncState]:
-    return manager.__dict__.get(STATE_ATTR)
+def build(manager) -> OffloadSyncState:
+    """The manager's state (the setting read at its first step, as for the caches)."""
+    return OffloadSyncState(manager, offload_sync_enabled(), feature_release(OFFLOAD))
 
 
-def attach_state(manager, enabled: bool, release: Optional[str]) -> OffloadSyncState:
-    return keep_state(manager, STATE_ATTR, OffloadSyncState(manager, enabled, release))
+FEATURE = Feature(OFFLOAD, "_hicache_offload_sync_state", build)
 
 
-def _head(manager):
-    def head(name, n: int) -> list:
-        return queue_head(getattr(manager.cache_controller, str(name), None), n)
-
-    return head
-
-
-def _pop(manager, pops: dict) -> None:
-    manager._check_offload_progress(pops.get("ack_write_queue", 0))
-    manager._check_backup_progress(pops.get("ack_backup_queue", 0))
+def pop_agreed(manager, pops: dict) -> None:
+    manager._check_offload_progress(pops.get(OFFLOAD_QUEUES[0], 0))
+    manager._check_backup_progress(pops.get(OFFLOAD_QUEUES[1], 0))
 
 
 def check_offload_progress(state: OffloadSyncState, manager, original, *args, **kwargs):
-    """One step: consume the due reduce and pop what it agreed on (upstream's
-    pop methods), then count every queued entry and issue the next reduce."""
+    """One step: at the first, the agreement; then consume the due reduce and
+    pop what it agreed on (upstream's pop methods), count every queued entry and
+    issue the next reduce."""
+    if state.static.pipelined and not state.agreed:
+        state.first_exchange(manager)
     decision = state.decide(manager)
     if not state.draining:  # a retraction is not a change of path worth a log line
         state.announce(decision)
     sync = state.sync
     if not decision.pipelined:
         if sync is not None and sync.pending:
-            drained = sync.drain(_head(manager))  # every rank leaves with the same pops
+            drained = sync.drain(state.head)  # every rank leaves with the same pops
             if drained is not None:
-                _pop(manager, drained.pops)
+                pop_agreed(manager, drained.pops)
         return original(manager, *args, **kwargs)
     assert sync is not None
-    head = _head(manager)
     t0 = time.perf_counter()
-    due = sync.consume_due(head)
+    due = sync.consume_due(state.head)
     if due is not None:
         if state.metrics is not None:
             state.metrics.on_step(time.perf_counter() - t0, due.pops)
-        _pop(manager, due.pops)
+        pop_agreed(manager, due.pops)
     cc = manager.cache_controller
+    writes, backups = OFFLOAD_QUEUES
     ready: dict[Hashable, Sequence[object]] = {
-        "ack_write_queue": list(cc.ack_write_queue),
-        "ack_backup_queue": head(QUEUES[1], CODE),  # every queued entry, under its mutex
+        writes: list(cc.ack_write_queue),
+        backups: state.head(backups, CODE),  # every queued entry, under its mutex
     }
     sync.issue(ready, 0)
     return None
@@ -215,7 +193,7 @@ def drain_before_retraction(state: Optional[OffloadSyncState], manager, original
 # on the offload queues); removable when upstream pipelines this reduce.
 
 
-@hook
+@FEATURE.hook(MANAGER_CLASS, "check_offload_progress", "AROUND")
 def around_check_offload_progress(original, manager, *args, **kwargs):
     """check_offload_progress, AROUND.
     Why: a blocking MIN all_reduce of the two queue sizes every decode step.
@@ -225,28 +203,16 @@ def around_check_offload_progress(original, manager, *args, **kwargs):
     / _check_backup_progress by identity, count every queued entry, issue async.
     Stands down: world size 1, missing queues, the setting off: upstream's
     method (after draining what is in flight), reason logged."""
-    state = state_of(manager)
-    if state is None:  # the setting is read at the manager's first step
-        release = feature_release("decode_offload")
-        state = attach_state(manager, offload_sync_enabled(), release)
+    state = FEATURE.ensure(manager)  # the setting is read at the manager's first step
     return check_offload_progress(state, manager, original, *args, **kwargs)
 
 
-@hook
+@FEATURE.hook(MANAGER_CLASS, "drain_before_retraction", "AROUND")
 def around_drain_before_retraction(original, manager, *args, **kwargs):
     """drain_before_retraction, AROUND.
     Why: a retraction must find every offload popped, as upstream leaves it.
     How: its check_offload_progress runs upstream's blocking path (after
     popping the reduce in flight); no log line.
     Stands down: never needed; it only marks the call."""
-    return drain_before_retraction(state_of(manager), manager, original, *args, **kwargs)
-
-
-FEATURE = Feature(
-    "decode_offload",
-    (
-        Hook(MANAGER_CLASS, "check_offload_progress", "AROUND", around_check_offload_progress),
-        Hook(MANAGER_CLASS, "drain_before_retraction", "AROUND", around_drain_before_retraction),
-    ),
-    order="none: its two hooks wrap different methods of a class no other feature hooks",
-)
+    state = FEATURE.state_of(manager)
+    return drain_before_retraction(state, manager, original, *args, **kwargs)

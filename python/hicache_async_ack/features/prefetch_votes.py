@@ -1,57 +1,63 @@
-"""Pipelined storage-prefetch termination votes on SGLang's UnifiedRadixCache.
+"""Storage-prefetch termination votes on SGLang's UnifiedRadixCache, riding the
+ack counts' reduce: the feature, its per-cache state and its hooks (the pass
+itself: :mod:`.vote_pass`).
 
 Under ``--hicache-storage-prefetch-policy timeout`` (the default), the
-scheduler asks ``check_prefetch_progress`` about every waiting request with an
-ongoing storage prefetch, and each call runs ``_can_terminate_prefetch``: one
-blocking MAX all_reduce of "this rank's deadline passed" per request. Here the
-pass boundary (the end of ``check_hicache_events``, which the scheduler runs
-once per pass before it walks the waiting queue) consumes the votes issued at
-the previous pass and issues one vote reduce covering every ongoing operation
-(:mod:`hicache_async_ack.votes`); ``_can_terminate_prefetch`` answers from the
-consumed verdicts, with no collective. A deadline verdict therefore comes one
-pass late. Per-cache state lives in the cache's ``__dict__``.
+scheduler's waiting-queue walk asks ``check_prefetch_progress`` about each
+request it reaches that has an ongoing storage prefetch, and each such call
+runs ``_can_terminate_prefetch``: one blocking MAX all_reduce of "this rank's
+deadline passed". Here the walk runs no collective: ``_can_terminate_prefetch``
+notes that the walk reached the operation and what this rank's deadline said
+(:meth:`hicache_async_ack.votes.VoteBook.poll`) and answers "not yet"; the
+finished walk rides, as one section (:mod:`hicache_async_ack.votes`), the next
+reduce of the ack counts, and the group's verdict ends exactly the operations
+stock SGLang would have ended in that walk (reached on every rank, deadline
+passed on some), at the pass boundary after the reduce is consumed, through
+upstream's own ``check_prefetch_progress``. The admitted requests ride along,
+so ranks whose walks admitted differently stop by name (SGLang #30760).
+
+Two carriers, one collective per pass either way:
+
+* the ack sync pipelines (host memory mode ``cache``): the section rides its
+  async reduce (a :class:`hicache_async_ack.kit.feature.Rider`); the ack sync's
+  first exchange carries the votes' flags, so there is no exchange of their
+  own; verdicts two passes after the walk (depth k: k + 1).
+* the ack sync keeps upstream's blocking reduce (``buffer_only``, or the ack
+  sync standing down on its own): after the votes' own first exchange, the
+  section rides that reduce, inside ``_sync_hicache_ready_counts``; verdicts
+  one pass after the walk.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Mapping, Optional
 
-from ..adapter import (
-    Collectives,
-    Decision,
-    Feature,
-    FeatureState,
-    Hook,
-    announce_path,
-    blocking,
-    group_decision,
-    hook,
-    keep_state,
-    missing_attrs,
-    unhooked,
-    upstream_count_slots,
-)
 from ..env import ENABLE_VAR, PREFETCH_VOTES_VAR, prefetch_votes_enabled
 from ..guard import CACHE_CLASS, feature_release
-from ..stamp import OBS_BITS, Stamp, describe_mismatch, pack_stamp
-from ..votes import (
-    VOTE_SLOTS,
-    VOTES_PROTOCOL,
-    PipelinedVotes,
-    PrefetchVoteError,
-    PrefetchVoteMismatch,
-    Verdicts,
-)
+from ..kit.collectives import Collectives
+from ..kit.decision import Decision, blocking, missing_attrs, untested_release
+from ..kit.feature import Feature, FeatureState
+from ..kit.groups import group_decision
+from ..kit.hooks import unhooked
+from ..names import ACK, VOTES
+from ..votes import VOTE_SLOTS, PrefetchVoteError, PrefetchVoteMismatch, Verdicts, VoteBook
+from . import ack_sync, vote_pass
+from .vote_pass import RIDE_ACK, TIMEOUT_POLICY, operation_key
 
-STATE_ATTR = "_hicache_prefetch_votes_state"
-TIMEOUT_POLICY = "timeout"
 # The predicate upstream's _can_terminate_prefetch reduces (PP0's view of "the
 # deadline passed"); a guard target of this feature, so the votes run only where
 # the guard's table has it (0.5.23; older releases decide the deadline from
 # operation.start_time, not the admission-poll timer, and have no such method).
 PREDICATE = "_prefetch_deadline_expired"
 REQUIRED_ATTRS = ("ongoing_prefetch", "prefetch_stop_policy", "pp_rank", "enable_storage")
+# Layout flags the votes own in the ack sync's reduce: their section rides it
+# (this rank would vote), and their setting (agreed in the ack sync's first exchange).
+VOTES_FLAG, SETTING_FLAG = 1, 2
+FLAGS = {
+    VOTES_FLAG: "the prefetch votes' section (a storage backend under the timeout policy)",
+    SETTING_FLAG: PREFETCH_VOTES_VAR,
+}
 MISMATCH_HINTS = {
     "protocol": (
         "Run the same hicache-async-ack version, with the same "
@@ -62,47 +68,39 @@ MISMATCH_HINTS = {
         f"install and the same {ENABLE_VAR} / {PREFETCH_VOTES_VAR}."
     ),
 }
-
-
-def release_blocker(release: Optional[str]) -> Optional[Decision]:
-    """Why the guard does not let the votes run on this SGLang."""
-    if release is not None:
-        return None
-    return blocking(
-        "the guard matched no tested release for the votes' upstream methods "
-        f"(UnifiedRadixCache.{PREDICATE} and the prefetch path; tested where they "
-        "exist: docs/versions.md)",
-        "untested_release",
-    )
+HOOKED = (
+    "check_hicache_events",
+    "_can_terminate_prefetch",
+    "_sync_hicache_ready_counts",
+    "finish_storage_prefetch_admission",
+)
 
 
 def static_decision(cache, release: Optional[str], blocker: Optional[Decision]) -> Decision:
-    decision = (
+    """The votes need a group that runs a collective (world size > 1: attention
+    CP x TP where one TP group spans both, as for the ack sync); they never
+    issue one of their own, so which group carries them is the carrier's."""
+    return (
         blocker
+        or untested_release(release, f"the votes' methods (UnifiedRadixCache.{PREDICATE} ...)")
         or missing_attrs(cache, REQUIRED_ATTRS)
-        or release_blocker(release)
         or missing_attrs(cache, (PREDICATE,))
         or group_decision(cache)
     )
-    if decision.span is not None:
-        # One MIN over the TP group equals upstream's CP-then-attn-TP pair only
-        # where the ack sync's first step checked the span; not tied in here.
-        return blocking(f"{decision.reason}: attention CP x TP", "attn_cp_tp")
-    return decision
 
 
 class PrefetchVoteState(FeatureState):
-    """What is kept per cache. ``blocker`` keeps it on upstream's path for the
-    cache's lifetime (the caller knows why).
+    """What is kept per cache, and the ack sync's rider.
 
     Every rank whose plugin is on keeps this state, also with the votes off:
-    at the start of the first eligible pass all of them run the votes' own first
-    exchange (:meth:`greet`, in upstream's ack-count shape), so a peer without
-    the plugin, or with the votes off, stops every plugin rank with an error
-    naming it instead of pairing its per-request reduces with the others' vote
-    reduces (gloo aborts on such a pairing)."""
+    their setting is agreed in the first exchange (the ack sync's, or with
+    upstream's carrier the votes' own), so a peer without the plugin, or with
+    the votes off, stops every plugin rank with an error naming it instead of
+    pairing its per-request reduces with the others' (gloo aborts on that)."""
 
-    feature = "prefetch_votes"
+    feature = VOTES
+    flags: Mapping[int, str] = FLAGS
+    layout_bit = VOTES_FLAG
 
     def __init__(
         self,
@@ -114,23 +112,19 @@ class PrefetchVoteState(FeatureState):
     ):
         super().__init__(static_decision(cache, release, blocker), coll)
         self.enabled = enabled
-        self.release = release
-        self.votes: Optional[PipelinedVotes] = None
-        if self.static.pipelined:
-            self.votes = PipelinedVotes(
-                self.collectives.async_min(self.static.group), hints=MISMATCH_HINTS
-            )
+        self.book = VoteBook(hints=MISMATCH_HINTS)
         self.passes = 0  # check_hicache_events calls seen (the same on every rank)
-        self.agreed = False  # the group agreed on the setting (one blocking reduce, once)
-        self.active = False  # this pass answers from verdicts, not the blocking reduce
-        self.verdicts: Optional[Verdicts] = None
+        self.mode: Optional[str] = None  # this pass's carrier (vote_pass.RIDE_*)
+        self.active = False  # this walk's reaches are voted on (a section rode the boundary)
+        self.taken: list[Verdicts] = []  # read this pass, applied after upstream's pops
+        self.applying: object = None  # the operation being ended on a verdict
+        self.closed_at = -1  # the pass whose boundary closed (or dropped) the walk
+        self.sections = 0  # sections that rode a reduce (for tests and the bench)
         self.stopped = 0  # operations stopped on a verdict (for tests and the bench)
 
-    def eligible(self, cache) -> Decision:
-        """Whether the votes can replace upstream's reduce this pass (the
-        setting aside): conditions every rank shares."""
-        if not self.static.pipelined:
-            return self.static
+    def dynamic_blocker(self, cache) -> Optional[Decision]:
+        """Why no section can replace upstream's per-request reduces this pass
+        (the setting aside): conditions every rank shares."""
         if cache.cache_controller is None:
             return blocking("HiCache controller not attached", "no_controller")
         if not cache.enable_storage:
@@ -140,185 +134,96 @@ class PrefetchVoteState(FeatureState):
             return blocking(f"prefetch policy {policy!r} runs no collective", "policy_not_timeout")
         if cache.pp_size != 1:
             return blocking(f"pp_size={cache.pp_size} (PP0 decides, sent along PP)", "pp")
-        return self.static
+        if getattr(cache, "linker", None) is not None:
+            return blocking("external cache linker attached (no ack-count reduce)", "linker")
+        return None
+
+    def eligible(self, cache) -> Decision:
+        return super().decide(cache)
+
+    def rides(self, cache) -> bool:
+        return self.enabled and self.eligible(cache).pipelined
 
     def decide(self, cache) -> Decision:
+        """This pass's path, once its boundary is done."""
         eligible = self.eligible(cache)
         if not eligible.pipelined:
             return eligible
-        if not self.agreed:  # eligible only since this pass began: greeted at the next
-            return blocking("the group agrees on the setting at the next pass", "agreeing")
         if not self.enabled:
             return blocking(f"{PREFETCH_VOTES_VAR}=0", "feature_disabled_by_env")
+        if not self.active:
+            return blocking("the group agrees on the votes' layout at a coming pass", "agreeing")
         return eligible
 
-    def greet(self, cache) -> None:
-        """The votes' own first exchange, once, at the start of the first eligible
-        pass, before anything the blocking path would not run: one blocking
-        reduce through the cache's own ``_all_reduce``, in upstream's ack-count
-        shape (``[on, -on, 0, ...]`` where upstream sends its counts, then
-        ``[x, -x]`` with the votes' stamp where it sends its digest). A peer on
-        SGLang's path pairs it with its own ack-count reduce, whatever the host
-        memory mode (in buffer_only the ack sync's exchange never runs), fails
-        upstream's digest check there, and every plugin rank names it; a plugin
-        peer with the votes off or another protocol is named too."""
-        on = int(self.enabled)
-        x = pack_stamp(VOTES_PROTOCOL, False, 1, VOTE_SLOTS, 0)
-        values = [on, -on] + [0] * (upstream_count_slots(cache) - 2) + [x, -x]
-        try:
-            reduced = self.collectives.blocking_min(cache)(values)
-        except Exception as exc:
-            raise PrefetchVoteError(
-                f"HiCache prefetch votes: the first exchange failed ({exc}); a peer rank "
-                "may have died or run another configuration"
-            ) from exc
-        lo_x, hi_x = reduced[-2], -reduced[-1]
-        if lo_x >> OBS_BITS != x >> OBS_BITS or hi_x >> OBS_BITS != x >> OBS_BITS:
-            why = describe_mismatch(
-                Stamp.unpack(x), Stamp.unpack(lo_x), Stamp.unpack(hi_x), MISMATCH_HINTS
-            )
-            raise PrefetchVoteMismatch(
-                f"HiCache prefetch votes: ranks disagree on the first exchange: {why} "
-                "Stopping before any vote."
-            )
-        lo_on, hi_on = reduced[0], -reduced[1]
-        if lo_on != hi_on:
-            raise PrefetchVoteMismatch(
-                f"HiCache prefetch votes: {PREFETCH_VOTES_VAR} differs across the TP group: "
-                f"this rank {on}, group min {lo_on}, max {hi_on}. Set it identically on "
-                "every node. Stopping before any vote."
-            )
-        self.agreed = True
+    def pipelined_details(self, decision: Decision):
+        if self.mode == RIDE_ACK:
+            how = "riding the ack counts' pipelined reduce; deadlines two passes after the walk"
+        else:
+            how = "riding upstream's blocking ack-count reduce; deadlines one pass after the walk"
+        return (f"world size {decision.world_size}", how, "no collective per request")
 
-    def path_line(self, decision: Decision) -> str:
-        line = super().path_line(decision)
-        if decision.pipelined:
-            line = line[:-1] + "; one vote reduce per pass, deadlines decided one pass late)"
-        return line
+    def first_exchange(self, cache) -> None:
+        vote_pass.first_exchange(self, cache, MISMATCH_HINTS)
 
-    def announce(self, decision: Decision) -> None:
-        announce_path(self, decision)
+    def failed(self, exc: PrefetchVoteError) -> None:
+        self.active = False
+        if self.metrics is not None:
+            reason = "mismatch" if isinstance(exc, PrefetchVoteMismatch) else "failure"
+            self.metrics.on_failure(reason)
 
     def vote(self, cache, operation) -> bool:
         """This rank's vote: PP0's deadline predicate, as upstream reduces it."""
         return bool(getattr(cache, PREDICATE)(operation))
 
+    # ------------------------------------------------------- the rider's part
+    def local_flags(self, cache) -> int:
+        return int(self.rides(cache)) << VOTES_FLAG | int(self.enabled) << SETTING_FLAG
 
-def state_of(cache) -> Optional[PrefetchVoteState]:
-    return cache.__dict__.get(STATE_ATTR)
+    def take(self, cache, token, reduced) -> None:
+        """A section came back reduced: check the agreement, keep the verdicts."""
+        try:
+            self.taken.append(self.book.read(token, reduced))
+        except PrefetchVoteError as exc:
+            self.failed(exc)
+            raise
 
+    def after_pops(self, cache) -> None:
+        vote_pass.apply_verdicts(self, cache)
 
-def attach_state(
-    cache, enabled: bool, release: Optional[str], blocker: Optional[Decision] = None
-) -> PrefetchVoteState:
-    return keep_state(cache, STATE_ATTR, PrefetchVoteState(cache, enabled, release, blocker))
-
-
-# ----------------------------------------------------------------- the pass
-def on_pass(state: PrefetchVoteState, cache) -> None:
-    """At the end of check_hicache_events: consume the previous pass's votes,
-    then vote on every ongoing operation (after the drain removed completed ones)."""
-    state.passes += 1
-    try:
-        decision = state.decide(cache)
-    except PrefetchVoteError as exc:
-        _failed(state, exc)
-        raise
-    state.announce(decision)
-    votes = state.votes
-    if not decision.pipelined:
-        state.active = False
-        state.verdicts = None
-        if votes is not None and votes.pending:
-            votes.drain()  # every rank stands down at the same pass
-        return
-    assert votes is not None
-    try:
-        state.verdicts = verdicts = votes.consume()
-        state.active = True
-        if verdicts is not None and len(verdicts):
-            apply_verdicts(state, cache, verdicts)
+    def section(self, cache) -> tuple[list[int], object]:
+        """Close this walk into the section the next reduce carries."""
         t0 = time.perf_counter()
-        ops = [
-            ((handle.rid, handle.attempt_id), info.operation, state.vote(cache, info.operation))
-            for handle, info in cache.ongoing_prefetch.items()
-        ]
-        votes.issue(ops)
-    except PrefetchVoteError as exc:
-        _failed(state, exc)
-        raise
-    state.active = True
-    if state.metrics is not None:  # the wait only for passes that had a reduce due
-        waited = verdicts.waited_s if verdicts is not None else None
-        state.metrics.on_pass(waited, time.perf_counter() - t0, min(len(ops), VOTE_SLOTS))
+        ops = [(operation_key(h), info.operation) for h, info in cache.ongoing_prefetch.items()]
+        values, ballot = self.book.close(ops)
+        self.active = True
+        self.closed_at = self.passes
+        self.sections += 1
+        if self.metrics is not None:
+            self.metrics.on_pass(None, time.perf_counter() - t0, min(len(ops), VOTE_SLOTS))
+        return values, ballot
+
+    def no_section(self, cache) -> None:
+        self.book.discard()
+        self.active = False
+        self.closed_at = self.passes
 
 
-def apply_verdicts(state: PrefetchVoteState, cache, verdicts: Verdicts) -> None:
-    """End, here at the pass boundary, every ongoing operation the group voted
-    to stop, in key order, through upstream's own check_prefetch_progress (its
-    _can_terminate_prefetch answers from the verdicts): every rank ends the
-    same operations the same way in the same pass, however far its
-    waiting-queue loop gets this pass (SGLang #30760: a rank whose batch fills
-    up earlier visits fewer requests; upstream's fix, #33029, likewise computes
-    progress once per pass for the whole queue). The loop then finds them
-    done."""
-    due = [h for h, info in cache.ongoing_prefetch.items() if verdicts(info.operation)]
-    for handle in sorted(due, key=lambda h: (h.rid, h.attempt_id)):
-        cache.check_prefetch_progress(handle)
-
-
-def _failed(state: PrefetchVoteState, exc: PrefetchVoteError) -> None:
-    state.active = False
-    if state.metrics is not None:
-        state.metrics.on_failure("mismatch" if isinstance(exc, PrefetchVoteMismatch) else "failure")
-
-
-def verdict(state: Optional[PrefetchVoteState], cache, original: Callable, operation, *a, **kw):
-    """_can_terminate_prefetch: in a pipelined pass, the group's verdict on this
-    operation from the previous pass (False until it was voted on); anywhere
-    else, upstream's."""
-    if (
-        state is None
-        or not state.active
-        or cache.prefetch_stop_policy != TIMEOUT_POLICY
-        or cache.pp_size != 1
-    ):
-        return original(cache, operation, *a, **kw)
-    stop = state.verdicts is not None and state.verdicts(operation)
-    if stop:
-        state.stopped += 1
-        if state.metrics is not None:
-            state.metrics.on_stop()
-    return stop
-
-
-# ------------------------------------------------------------------------ hooks
-# Target: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.
-# Upstream: sglang #33029 (prefetch progress computed once per pass) is the open
-# fix for the per-request collective; removable when upstream decides deadlines
-# without a collective per waiting request.
-HOOKED = ("check_hicache_events", "_can_terminate_prefetch")
-
-
-def attach(cache) -> PrefetchVoteState:
-    """The cache's prefetch-vote state (the setting read now, as for the ack sync)."""
-    problem = unhooked(type(cache), HOOKED)
+def build(cache) -> PrefetchVoteState:
+    """The cache's vote state (the setting read now, as for the ack sync),
+    joined to the ack sync's state as a rider."""
+    problem = unhooked(type(cache), HOOKED, VOTES)
     blocker = blocking(problem, "hooks_missing") if problem else None
-    release = feature_release("prefetch_votes")
-    return attach_state(cache, prefetch_votes_enabled(), release, blocker)
+    state = PrefetchVoteState(cache, prefetch_votes_enabled(), feature_release(VOTES), blocker)
+    carrier(cache).add_rider(state)
+    return state
 
 
-@hook
-def after_init_hicache(result, cache, *args, **kwargs):
-    """init_hicache, AFTER.
-    Why: the per-cache vote state (and its metrics) needs what init builds.
-    How: builds it; the decision is made and logged at the first pass.
-    Stands down: never fails init."""
-    state = attach(cache)
-    params = kwargs.get("params", args[1] if len(args) > 1 else None)
-    if getattr(params, "enable_metrics", False):
-        state.metrics = metrics_for(cache)
-    return result
+def carrier(cache):
+    """The ack sync's state: it carries the votes where it pipelines."""
+    return ack_sync.FEATURE.ensure(cache)
+
+
+FEATURE = Feature(VOTES, "_hicache_prefetch_votes_state", build, after=(ACK,))
 
 
 def metrics_for(cache):
@@ -333,66 +238,83 @@ def metrics_for(cache):
     )
 
 
-@hook
-def after_check_hicache_events(result, cache, *args, **kwargs):
-    """check_hicache_events, AFTER.
-    Why: the scheduler runs it once per pass, before it walks the waiting queue
-    and asks check_prefetch_progress per request: the pass boundary.
-    How: consumes the vote reduce issued at the previous pass, ends every
-    operation it stopped (apply_verdicts), then issues one covering every
-    ongoing prefetch operation, async.
-    Stands down: no storage backend, a policy other than `timeout`, PP, world
-    size 1, the setting off, or a release the guard has no votes for: the
-    reduce in flight is drained and upstream's per-request path runs."""
-    state = state_of(cache)
-    if state is None:
-        state = attach(cache)
-    on_pass(state, cache)
+# ------------------------------------------------------------------------ hooks
+# Target: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.
+# Upstream: sglang #33029 (prefetch progress computed once per pass) is the open
+# fix for the per-request collective; #30760 the loop skew the admission check
+# names. Removable when upstream decides deadlines without a collective per
+# request the walk reaches.
+
+
+@FEATURE.hook(CACHE_CLASS, "init_hicache", "AFTER")
+def after_init_hicache(result, cache, *args, **kwargs):
+    """init_hicache, AFTER (after the ack sync's: its state is the carrier).
+    Why: the per-cache vote state (and its metrics) needs what init builds.
+    How: builds it and joins the ack sync's reduce as a rider; the path is
+    decided and logged at the first pass.
+    Stands down: never fails init."""
+    state = FEATURE.attach(cache)
+    if ack_sync.metrics_wanted(args, kwargs):
+        state.metrics = metrics_for(cache)
     return result
 
 
-@hook
+@FEATURE.hook(CACHE_CLASS, "check_hicache_events", "BEFORE")
 def before_check_hicache_events(cache, *args, **kwargs):
-    """check_hicache_events, BEFORE.
-    Why: the votes need their own first exchange, paired with what a peer on
-    SGLang's path runs first in a pass: its blocking ack-count reduce, inside
-    this method (the ack sync's own exchange does not run in buffer_only).
-    How: at the first pass the votes are eligible, one blocking exchange in
-    upstream's shape through the cache's _all_reduce (PrefetchVoteState.greet).
-    Stands down: when the votes are not eligible (nothing to agree on yet)."""
-    state = state_of(cache)
-    if state is None:
-        state = attach(cache)
-    if not state.agreed and state.static.pipelined and state.eligible(cache).pipelined:
-        try:
-            state.greet(cache)
-        except PrefetchVoteError as exc:
-            _failed(state, exc)
-            raise
+    """check_hicache_events, BEFORE (outside the ack sync's AROUND).
+    Why: the pass boundary starts here; with upstream's carrier the votes need
+    their own first exchange, paired with what a peer on SGLang's path runs
+    first in a pass (its blocking ack-count reduce, inside this method).
+    How: picks the carrier; once, the votes' first exchange.
+    Stands down: not eligible, or the ack sync carries them (its exchange agrees)."""
+    vote_pass.begin_pass(FEATURE.ensure(cache), cache, carrier(cache))
     return None
 
 
-@hook
+@FEATURE.hook(CACHE_CLASS, "check_hicache_events", "AFTER")
+def after_check_hicache_events(result, cache, *args, **kwargs):
+    """check_hicache_events, AFTER.
+    Why: the scheduler runs it once per pass, before its walk: the boundary.
+    How: with upstream's carrier, ends what the section read stopped; drops a
+    walk no section carried; logs the path on a change.
+    Stands down: no storage backend, a policy other than `timeout`, PP, world
+    size 1, a linker, the setting off, or a release the guard has no votes
+    for: upstream's per-request path runs."""
+    vote_pass.end_pass(FEATURE.ensure(cache), cache)
+    return result
+
+
+@FEATURE.hook(CACHE_CLASS, "_sync_hicache_ready_counts", "AROUND")
+def around_sync_hicache_ready_counts(original, cache, *args, **kwargs):
+    """_sync_hicache_ready_counts, AROUND (nested outside the ack sync's: one
+    registered hook, kit.hooks).
+    Why: with the ack sync on upstream's blocking path (buffer_only) its reduce
+    is the one collective the pass already runs.
+    How: the votes' section rides that reduce (vote_pass.ride_upstream), read
+    back before upstream pops.
+    Stands down: whenever the ack sync carries the votes or they are off."""
+    return vote_pass.ride_upstream(FEATURE.state_of(cache), cache, original, *args, **kwargs)
+
+
+@FEATURE.hook(CACHE_CLASS, "_can_terminate_prefetch", "AROUND")
 def around_can_terminate_prefetch(original, cache, operation, *args, **kwargs):
     """_can_terminate_prefetch, AROUND.
-    Why: it runs one blocking MAX all_reduce per waiting request.
-    How: inside a pipelined pass, returns the group's verdict on this operation
-    (by identity; False until voted on), no collective.
-    Stands down: calls the original outside a pipelined pass or policy."""
-    return verdict(state_of(cache), cache, original, operation, *args, **kwargs)
+    Why: it runs one blocking MAX all_reduce per request the walk reaches.
+    How: while the walk is voted on, notes the reach and this rank's deadline
+    and answers no; at the boundary, yes for the operation a verdict ends.
+    Stands down: calls the original outside a voted walk or policy."""
+    state = FEATURE.state_of(cache)
+    return vote_pass.verdict(state, cache, original, operation, *args, **kwargs)
 
 
-FEATURE = Feature(
-    "prefetch_votes",
-    (
-        Hook(CACHE_CLASS, "init_hicache", "AFTER", after_init_hicache),
-        Hook(CACHE_CLASS, "check_hicache_events", "AFTER", after_check_hicache_events),
-        Hook(CACHE_CLASS, "check_hicache_events", "BEFORE", before_check_hicache_events),
-        Hook(CACHE_CLASS, "_can_terminate_prefetch", "AROUND", around_can_terminate_prefetch),
-    ),
-    order=(
-        "after the ack sync's: the AFTER and BEFORE hooks on check_hicache_events must "
-        "wrap the ack sync's AROUND, so the pass boundary comes after the ack pops and "
-        "the votes' first exchange before the ack sync's (and before upstream's reduce)"
-    ),
-)
+@FEATURE.hook(CACHE_CLASS, "finish_storage_prefetch_admission", "AFTER")
+def after_finish_storage_prefetch_admission(result, cache, request, *args, **kwargs):
+    """finish_storage_prefetch_admission, AFTER.
+    Why: the scheduler calls it for every request it admits to the batch
+    (_account_prefill_cache_admission), in admission order: what the batch is.
+    How: notes the request for the walk's section (the admission check).
+    Stands down: outside a voted walk."""
+    state = FEATURE.state_of(cache)
+    if state is not None and state.active:
+        state.book.admit(operation_key(request))
+    return result

@@ -105,14 +105,57 @@ def _entry_point():
     return None
 
 
+# Every variable the plugin reads: (variable, parser, default, what the value
+# means, why it would keep the plugin from running or None).
+Describe = Callable[[Any], str]
+SETTINGS: tuple[tuple[str, Callable, Any, Describe, Callable[[Any], Optional[str]]], ...] = (
+    (
+        ENABLE_VAR,
+        parse_bool,
+        ENABLE_DEFAULT,
+        lambda on: "enabled" if on else "DISABLED",
+        lambda on: None if on else f"{ENABLE_VAR}=0 keeps the blocking path",
+    ),
+    (DEPTH_VAR, parse_depth, DEPTH_DEFAULT, lambda depth: f"depth {depth}", lambda _: None),
+    (
+        ALLOW_UNTESTED_VAR,
+        parse_bool,
+        ALLOW_UNTESTED_DEFAULT,
+        lambda on: f"on an untested SGLang the plugin {'runs' if on else 'stays inert'}",
+        lambda _: None,
+    ),
+    (
+        PREFETCH_VOTES_VAR,
+        parse_bool,
+        PREFETCH_VOTES_DEFAULT,
+        lambda on: (
+            "on: with a storage backend under the timeout policy (TP > 1, no PP), the "
+            "prefetch votes ride the ack-count reduce (whether this SGLang runs them: "
+            "'supported: prefetch_votes' above)"
+            if on
+            else "off: one blocking reduce per waiting prefetch"
+        ),
+        lambda _: None,
+    ),
+    (
+        OFFLOAD_SYNC_VAR,
+        parse_bool,
+        OFFLOAD_SYNC_DEFAULT,
+        lambda on: (
+            "on: with --disaggregation-decode-enable-offload-kvcache (TP > 1) the decode "
+            "offload sync pipelines (whether this SGLang runs it: 'supported: "
+            "decode_offload' above)"
+            if on
+            else "off"
+        ),
+        lambda _: None,
+    ),
+)
+
+
 def _add_settings(rep: Report) -> None:
     """The plugin's variables, as register() would read them."""
-    settings: tuple[tuple[str, Callable[[str, Optional[str], Any], Any], Any], ...] = (
-        (ENABLE_VAR, parse_bool, ENABLE_DEFAULT),
-        (DEPTH_VAR, parse_depth, DEPTH_DEFAULT),
-        (ALLOW_UNTESTED_VAR, parse_bool, ALLOW_UNTESTED_DEFAULT),
-    )
-    for var, parse, default in settings:
+    for var, parse, default, describe, blocker in SETTINGS:
         raw = os.environ.get(var)
         shown = "unset" if raw is None else repr(raw)
         default_note = " (default)" if raw in (None, "") else ""
@@ -122,66 +165,10 @@ def _add_settings(rep: Report) -> None:
             rep.add(var, f"{shown} -> INVALID: {exc}")
             rep.block(f"{var} is invalid: HiCache init would raise and the server not start")
             continue
-        if var == ENABLE_VAR:
-            rep.add(var, f"{shown} -> {'enabled' if value else 'DISABLED'}{default_note}")
-            if not value:
-                rep.block(f"{ENABLE_VAR}={raw} keeps the blocking path")
-        elif var == ALLOW_UNTESTED_VAR:
-            allowed = "runs" if value else "stays inert"
-            rep.add(var, f"{shown} -> on an untested SGLang the plugin {allowed}{default_note}")
-        else:
-            rep.add(var, f"{shown} -> depth {value}{default_note}")
-
-
-def _add_prefetch_votes(rep: Report) -> None:
-    """The storage-prefetch votes: their setting and whether this SGLang's prefetch
-    path is one they pipeline (informational: they never make the plugin inactive,
-    except an invalid value, which stops the server)."""
-    raw = os.environ.get(PREFETCH_VOTES_VAR)
-    shown = "unset" if raw is None else repr(raw)
-    try:
-        on = parse_bool(PREFETCH_VOTES_VAR, raw, PREFETCH_VOTES_DEFAULT)
-    except ValueError as exc:
-        rep.add(PREFETCH_VOTES_VAR, f"{shown} -> INVALID: {exc}")
-        rep.block(f"{PREFETCH_VOTES_VAR} is invalid: HiCache init would raise")
-        return
-    if not on:
-        rep.add(PREFETCH_VOTES_VAR, f"{shown} -> off: one blocking reduce per waiting prefetch")
-        return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        verdict = check_installed()
-    matched = verdict.feature_matched("prefetch_votes")
-    where = (
-        "stands down on this SGLang (the guard matched no tested release for its "
-        f"methods; tested: {', '.join(verdict.tested)})"
-        if not matched
-        else "pipelined with a storage backend under the timeout policy (TP > 1, no PP)"
-    )
-    rep.add(PREFETCH_VOTES_VAR, f"{shown} -> on: prefetch termination votes {where}")
-
-
-def _add_offload_sync(rep: Report) -> None:
-    """The PD decode offload sync: its setting and whether it is hooked here."""
-    raw = os.environ.get(OFFLOAD_SYNC_VAR)
-    shown = "unset" if raw is None else repr(raw)
-    try:
-        on = parse_bool(OFFLOAD_SYNC_VAR, raw, OFFLOAD_SYNC_DEFAULT)
-    except ValueError as exc:
-        rep.add(OFFLOAD_SYNC_VAR, f"{shown} -> INVALID: {exc}")
-        rep.block(f"{OFFLOAD_SYNC_VAR} is invalid: the server would not start")
-        return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        verdict = check_installed()
-    matched = verdict.feature_matched("decode_offload")
-    where = (
-        "pipelined with --disaggregation-decode-enable-offload-kvcache (TP > 1)"
-        if matched
-        else f"not pipelined on this SGLang (the guard matched no tested release for "
-        f"DecodeKVCacheOffloadManager's methods; tested: {', '.join(verdict.tested)})"
-    )
-    rep.add(OFFLOAD_SYNC_VAR, f"{shown} -> {'on: decode offload sync ' + where if on else 'off'}")
+        rep.add(var, f"{shown} -> {describe(value)}{default_note}")
+        why = blocker(value)
+        if why is not None:
+            rep.block(why.replace("=0", f"={raw}"))
 
 
 def _add_upstream(rep: Report) -> None:
@@ -202,20 +189,25 @@ def _add_upstream(rep: Report) -> None:
     rep.add("fingerprints", "each method the hooks wrap or rely on, against the recorded ones")
     for m in verdict.methods:
         rep.add(f"  {m.target.label}", m.describe())
-    if verdict.status == "tested":
-        rep.add("supported", f"yes: {verdict.summary()}")
-    elif verdict.status == "incompatible":
-        rep.add("supported", f"NO: {verdict.summary()}")
-        rep.block(f"this SGLang is incompatible (tested: {verdict.range_text})")
-    elif untested_ok:
-        rep.add(
-            "supported", f"UNTESTED, running anyway ({ALLOW_UNTESTED_VAR}): {verdict.summary()}"
-        )
-    else:
-        rep.add("supported", f"NO: {verdict.summary()}")
+    live = 0
+    for judged in verdict.features():
+        summary = judged.summary(verdict)
+        key = f"supported: {judged.feature}"
+        if judged.status == "tested":
+            rep.add(key, f"yes: {summary}")
+            live += 1
+        elif judged.status == "absent":
+            rep.add(key, f"not here: {summary} (it stands down; the others are judged alone)")
+        elif judged.status == "incompatible":
+            rep.add(key, f"NO, stands down: {summary}")
+        elif untested_ok:
+            rep.add(key, f"UNTESTED, running anyway ({ALLOW_UNTESTED_VAR}): {summary}")
+            live += 1
+        else:
+            rep.add(key, f"NO, stands down: {summary} ({ALLOW_UNTESTED_VAR}=1 runs it anyway)")
+    if not live:
         rep.block(
-            f"this SGLang is untested (tested: {verdict.range_text}); "
-            f"{ALLOW_UNTESTED_VAR}=1 runs the plugin anyway"
+            f"no feature of the plugin would run on this SGLang (tested: {verdict.range_text})"
         )
 
 
@@ -264,8 +256,6 @@ def diagnose(tp: int, step_ms: float, rounds: int) -> Report:
         rep.add(PLUGINS_VAR, f"{raw_plugins!r} -> SKIPPED ({ENTRY_POINT_NAME} not listed)")
         rep.block(f"{PLUGINS_VAR}={raw_plugins!r} does not list {ENTRY_POINT_NAME}")
     _add_settings(rep)
-    _add_prefetch_votes(rep)
-    _add_offload_sync(rep)
 
     if rounds > 0:
         try:

@@ -42,7 +42,7 @@ def offload_rank(ctx, cfg: dict) -> dict:
         os.environ[PLUGINS_VAR] = "none_selected"
     load_plugins()
     if arm == "pipelined" and latency_s:
-        from hicache_async_ack import adapter
+        from hicache_async_ack.kit import collectives as adapter
 
         adapter.use_async_min(lambda base: lambda g: delayed(base(g), lambda: latency_s))
     real = torch.distributed.all_reduce
@@ -84,9 +84,9 @@ def offload_rank(ctx, cfg: dict) -> dict:
     window_s = time.perf_counter() - t_window
     torch.distributed.all_reduce = real
     dist.barrier()
-    from hicache_async_ack.features.decode_offload import state_of
+    from hicache_async_ack.features.decode_offload import FEATURE
 
-    state = state_of(om.manager)
+    state = FEATURE.state_of(om.manager)
     return {
         "check_ms": check_ms,
         "window_s": window_s,

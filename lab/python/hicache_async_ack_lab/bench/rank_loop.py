@@ -72,7 +72,7 @@ def timed_check(arm: workload.Arm, rec: Record, step: int, measured: bool) -> No
 def current_depth(arm: workload.Arm) -> int:
     from hicache_async_ack.features import ack_sync
 
-    state = ack_sync.state_of(arm.sim.cache) if arm.sim is not None else None
+    state = ack_sync.FEATURE.state_of(arm.sim.cache) if arm.sim is not None else None
     return state.sync.depth if state is not None and state.sync is not None else 0
 
 

@@ -40,12 +40,13 @@ def _stats(samples_s: list[float]) -> str:
 
 
 def _sim_cache(arm: str):
-    from hicache_async_ack import adapter
+    from hicache_async_ack.kit import collectives as adapter
+    from hicache_async_ack.kit import groups
     from hicache_async_ack_lab.sim.cache import build_cache
     from hicache_async_ack_lab.sim.collectives import EchoHandle
 
     adapter.use_async_min(lambda base: lambda group: EchoHandle)
-    adapter.world_size = lambda group: 2  # a profiling stand-in: no process group here
+    groups.world_size = lambda group: 2  # a profiling stand-in: no process group here
     sim = build_cache(tp_group=object(), tp_world_size=2, storage=True)
     if arm == "bound":
         sim.cache.__dict__["_all_reduce"] = lambda data, op: None
@@ -96,7 +97,7 @@ def collective_rank(ctx, cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from hicache_async_ack import adapter
+    from hicache_async_ack.kit import collectives as adapter
 
     group = dist.group.WORLD
     size = cfg["size"]

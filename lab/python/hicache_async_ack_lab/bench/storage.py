@@ -50,6 +50,7 @@ FIGURES = (
     ("p99_ttft_ms", "TTFT p99 ms"),
     ("storage_hit_share", "storage hits"),
     ("blocking_per_pass", "blocking coll/pass"),
+    ("all_reduce_per_deciding_pass", "all_reduce/deciding pass"),
     ("prefetches_per_pass", "prefetches/pass"),
     ("prefetches_in_flight", "in flight (max)"),
     ("prefetches_issued", "prefetches issued"),
@@ -187,6 +188,11 @@ def round_figures(replies: list[dict], wall: float, counts: dict) -> dict:
         "passes": passes,
         "blocking_collectives": counts.get("blocking", 0),
         "blocking_per_pass": counts.get("blocking", 0) / passes if passes else None,
+        # every all_reduce (blocking or async) in the passes with a prefetch to decide
+        "all_reduce_per_deciding_pass": counts.get("deciding_all_reduces", 0)
+        / counts["prefetch_passes"]
+        if counts.get("prefetch_passes")
+        else None,
         "prefetches_per_pass": counts.get("prefetches_voted", 0) / passes if passes else None,
         "prefetch_max": counts.get("prefetch_max", 0),
         # over the passes that had one in flight: how many each of them decided on

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
-from hicache_async_ack import adapter
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR, ENTRY_POINT_NAME, PLUGINS_VAR
 from hicache_async_ack.features import ack_sync
+from hicache_async_ack.kit import collectives as adapter
 from hicache_async_ack.tools.options import ToolError
 from hicache_async_ack_lab.sim.cache import SimCache, build_cache
 from hicache_async_ack_lab.sim.collectives import DelayedHandle, delayed
@@ -130,7 +130,7 @@ def _load_plugins_for(spec: ArmSpec) -> None:
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.plugins import load_plugins
 
-    from hicache_async_ack.adapter import is_hooked
+    from hicache_async_ack.kit.hooks import is_hooked
 
     if spec.kind == "pipelined":
         os.environ[PLUGINS_VAR] = ENTRY_POINT_NAME
@@ -193,7 +193,7 @@ def describe_path(arm: Arm, world: int) -> str:
         return "stock check, collective replaced by a local no-op (measurement only)"
     if kind == "floor":
         return "the bound + one async MIN all_reduce per step (the plugin's primitive)"
-    state = ack_sync.state_of(arm.sim.cache)
+    state = ack_sync.FEATURE.state_of(arm.sim.cache)
     decision = state.decide(arm.sim.cache) if state is not None else None
     if decision is not None and not decision.pipelined and world == 1:
         return f"plugin stands down: {decision.reason}"

@@ -231,7 +231,7 @@ def _patch_plugin_reduces(module) -> None:
 PATCHES: dict[str, Callable] = {
     "sglang.srt.mem_cache.unified_radix_cache": _patch_unified_radix_cache,
     "sglang.srt.managers.cache_controller": _patch_cache_controller,
-    "hicache_async_ack.adapter": _patch_plugin_reduces,
+    "hicache_async_ack.kit.collectives": _patch_plugin_reduces,
     "sglang.srt.distributed.parallel_state": _patch_parallel_state,
     "sglang.srt.disaggregation.decode_kvcache_offload_manager": _patch_offload_manager,
 }

@@ -121,7 +121,16 @@ def _require_private_network(module) -> None:
 class _Counts:
     """Per-process counts, written at most every 0.2 s (and so soon after a pass)."""
 
-    FIELDS = ("passes", "blocking", "prefetch_passes", "prefetches_voted", "prefetch_max")
+    FIELDS = (
+        "passes",
+        "blocking",
+        "prefetch_passes",
+        "prefetches_voted",
+        "prefetch_max",
+        # every all_reduce (the cache's blocking ones and the plugin's async ones)
+        # run in the passes that had a prefetch to decide
+        "deciding_all_reduces",
+    )
     # SGLang's own cumulative prefetch outcomes (0.5.23's UnifiedRadixCache keeps
     # them): why a request did or did not wait on its L3 prefetch
     OUTCOMES = ("issued", "declined_rate_limited", "declined_too_short", "declined_device_covered")
@@ -130,10 +139,12 @@ class _Counts:
         self.root = root
         self.values = dict.fromkeys(self.FIELDS, 0)
         self._written = 0.0
+        self._deciding = False  # the pass now running has a prefetch in flight
 
     def pass_seen(self, in_flight: int) -> None:
         v = self.values
         v["passes"] += 1
+        self._deciding = bool(in_flight)
         if in_flight:
             v["prefetch_passes"] += 1
             v["prefetches_voted"] += in_flight
@@ -145,8 +156,11 @@ class _Counts:
             if key in stats:
                 self.values[key] = int(stats[key])
 
-    def collective_seen(self) -> None:
-        self.values["blocking"] += 1
+    def collective_seen(self, blocking: bool = True) -> None:
+        if blocking:
+            self.values["blocking"] += 1
+        if self._deciding:
+            self.values["deciding_all_reduces"] += 1
         self._maybe_write()
 
     def _maybe_write(self) -> None:
@@ -190,6 +204,28 @@ def _count_collectives(module) -> None:
         return real(self, *args, **kwargs)
 
     cls._all_reduce_attn_groups = counted
+
+
+def _count_plugin_reduces(module) -> None:
+    """The plugin's async all_reduces (hicache_async_ack.kit.collectives), counted
+    as they are issued."""
+    counts = _counts()
+    if counts is None:
+        return
+
+    def counting(base):
+        def factory(group):
+            issue = base(group)
+
+            def counted(values):
+                counts.collective_seen(blocking=False)
+                return issue(values)
+
+            return counted
+
+        return factory
+
+    module.use_async_min(counting)
 
 
 def _count_passes(module) -> None:
@@ -242,6 +278,7 @@ def register(patches: dict, standins: dict) -> None:
     for name, patch in (
         ("sglang.srt.mem_cache.unified_radix_cache", _count_collectives),
         ("sglang.srt.managers.scheduler", _count_passes),
+        ("hicache_async_ack.kit.collectives", _count_plugin_reduces),
         ("sglang.srt.mem_cache.pool_host.base", _lower_host_memory_reserve),
     ):
         patches[name] = _then(patches[name], patch) if name in patches else patch

@@ -261,7 +261,7 @@ PATCHES: dict[str, Callable] = {
     "sglang.srt.mem_cache.pool_host.mha": _patch_host_pool_mha,
     "sglang.srt.managers.cache_controller": _patch_cache_controller,
     "sglang.srt.mem_cache.unified_radix_cache": _delay_stock_all_reduce,
-    "hicache_async_ack.adapter": _delay_plugin_reduces,
+    "hicache_async_ack.kit.collectives": _delay_plugin_reduces,
 }
 mooncake_standins.register(PATCHES, STANDINS)  # the Mooncake backend's two direct ops
 pd_standins.register(PATCHES, STANDINS)  # PD disaggregation's KV sender and early send

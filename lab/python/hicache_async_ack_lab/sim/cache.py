@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
-from hicache_async_ack.features.ack_sync import STORAGE_QUEUES
+from hicache_async_ack.names import STORAGE_QUEUES
 
 
 class UnfinishedAckPopped(AssertionError):

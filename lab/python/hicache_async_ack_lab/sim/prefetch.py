@@ -15,9 +15,16 @@ finishes (:meth:`PrefetchSim.complete`) puts its final ack on the
 controller's ``ack_prefetch_queue``, as the transfer worker does for every
 operation; upstream's drain (inside ``check_hicache_events``, by the agreed
 count) hands a still-current one to ``_handle_prefetch_result``, recorded as
-``(key, "completed")``. ``deadline`` replaces the
-real admission-poll timer with a predicate (per rank, in passes) where a test
-needs ranks whose clocks disagree deterministically.
+``(key, "completed")``.
+
+The deadline is upstream's admission-poll timer, counted in passes: it starts
+at the first check that finds the operation unfinished (upstream's own
+``_start_storage_prefetch_wait``), and passes ``budget(op)`` passes later on
+this rank's clock (``clock.now``), or when the group marked it expired. So, as
+in SGLang, a request the waiting-queue walk never reaches is never timed out,
+and each rank's deadline can fall in another pass, deterministically.
+``deadline`` replaces the whole predicate instead (a bench that wants
+deadlines at fixed passes).
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ class PrefetchSim:
     sim: SimCache
     ended: list = field(default_factory=list)  # (key, reason), in termination order
     checks: int = 0  # check_prefetch_progress calls
+    first_poll: dict = field(default_factory=dict)  # handle -> the pass its wait started
+    epoch: int = 0  # bumped by reset: the storage workers were stopped
     _seq: int = 0
 
     @property
@@ -60,18 +69,21 @@ class PrefetchSim:
         self.checks += 1
         return self.cache.check_prefetch_progress(handle)
 
-    def read_queue(self):
-        """The ack queue a read submitted now reports to (reset and storage
-        attach build new ones; a read of an older one reports nowhere)."""
-        return self.sim.cc.storage_queue("ack_prefetch_queue")
+    def read_queue(self) -> tuple:
+        """Where a read submitted now reports to: the ack queue and the
+        controller's epoch (upstream's reset stops and joins the storage
+        threads before it clears the queues, and storage attach builds new
+        ones, so a read in flight then never reports)."""
+        return (self.sim.cc.storage_queue("ack_prefetch_queue"), self.epoch)
 
-    def complete(self, operation, queue) -> bool:
+    def complete(self, operation, where: tuple) -> bool:
         """This rank's transfer worker finished ``operation``'s read, submitted
-        while ``queue`` was the ack queue: its final ack goes there, as
+        when ``where`` was :meth:`read_queue`: its final ack goes there, as
         upstream's worker sends one for every operation, also a terminated one
-        (False if that queue was replaced meanwhile)."""
-        if queue is not self.read_queue():
+        (False if its worker was stopped or its queue replaced meanwhile)."""
+        if where != self.read_queue():
             return False
+        queue = where[0]
         operation.ack_releases_incomplete_host_indices = False  # no host indices
         uid = self.sim.cc.next_uid()
         ack = Entry(uid=uid, id=uid, handle=operation.handle, operation=operation)
@@ -95,10 +107,12 @@ class PrefetchSim:
         self.sim.detach_storage()
 
     def reset(self) -> None:
-        """flush_cache: upstream's reset (which clears what it tracks)."""
+        """flush_cache: upstream's reset (which clears what it tracks, after
+        stopping the storage workers: reads in flight never report)."""
         for handle in list(self.cache.ongoing_prefetch):
             self.revoke(handle)
         self.sim.reset()
+        self.epoch += 1
 
 
 def add_prefetch(
@@ -106,9 +120,13 @@ def add_prefetch(
     policy: str = "timeout",
     timeout_s: float = 3600.0,
     deadline: Optional[Callable[[Any], bool]] = None,
+    budget: Optional[Callable[[Any], int]] = None,
+    clock: Any = None,
 ) -> PrefetchSim:
-    """Give ``sim``'s cache what the prefetch path reads. ``deadline(op)``, if
-    given, stands in for ``_prefetch_deadline_expired`` (this rank's clock)."""
+    """Give ``sim``'s cache what the prefetch path reads. With ``budget(op)`` and
+    ``clock`` (``.now``, in passes), the deadline passes ``budget(op)`` passes
+    after the operation's first unfinished check; ``deadline(op)`` stands in
+    for the whole predicate."""
     ps = PrefetchSim(sim)
     cache, cc = sim.cache, cast(Any, sim.cc)  # gains the controller calls of the path
     d = cache.__dict__
@@ -149,4 +167,32 @@ def add_prefetch(
     d["_retire_ongoing_prefetch"] = retire
     if deadline is not None:
         d["_prefetch_deadline_expired"] = deadline
+    elif budget is not None:
+        assert clock is not None, "a budget counts passes of a clock"
+        d["_prefetch_deadline_expired"] = poll_deadline(ps, budget, clock)
+        start = cache._start_storage_prefetch_wait  # upstream's, bound
+
+        def start_wait(operation):
+            started = operation.handle in cache._storage_prefetch_wait
+            start(operation)
+            if not started and operation.handle in cache._storage_prefetch_wait:
+                ps.first_poll[operation.handle] = clock.now
+
+        d["_start_storage_prefetch_wait"] = start_wait
     return ps
+
+
+def poll_deadline(ps: PrefetchSim, budget: Callable[[Any], int], clock: Any):
+    """Upstream's deadline predicate on a pass clock: no wait before the first
+    unfinished check; the group's expired mark; else ``budget`` passes on."""
+
+    def expired(operation) -> bool:
+        wait = ps.cache._storage_prefetch_wait.get(operation.handle)  # reset() replaces it
+        if wait is None:
+            return False
+        if wait.expired:
+            return True
+        started = ps.first_poll.get(operation.handle)
+        return started is not None and clock.now >= started + budget(operation)
+
+    return expired

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
-from hicache_async_ack.features.ack_sync import STORAGE_QUEUES
+from hicache_async_ack.names import STORAGE_QUEUES
 from hicache_async_ack_lab.sim.cache import SimCache
 
 

@@ -32,6 +32,19 @@ def extra_return_field(node: ast.FunctionDef) -> None:
         r.value.elts.append(ast.Constant(0))
 
 
+def no_op_first(node: ast.FunctionDef) -> None:
+    """One harmless statement first (``_drift = 0``): what it does is unchanged,
+    its fingerprint is not (any body change is a change the guard must see)."""
+    stmt = ast.Assign(targets=[ast.Name("_drift", ast.Store())], value=ast.Constant(0))
+    body = node.body
+    at = (
+        1
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+        else 0
+    )
+    body.insert(at, ast.fix_missing_locations(stmt))
+
+
 def renamed_last_param(node: ast.FunctionDef) -> None:
     """The last positional parameter gets another name (a signature change); the
     body follows, so the function still runs."""

@@ -47,10 +47,11 @@ def run(rank: int, world: int, port: int) -> dict:
         attach_in_tree(cache)
         assert cache.ack_sync is not None, "the in-tree rank must pipeline"
     else:
-        from hicache_async_ack.features.ack_sync import after_init_hicache, state_of
+        from hicache_async_ack.features.ack_sync import FEATURE as ACK_SYNC
+        from hicache_async_ack.features.ack_sync import after_init_hicache
 
         after_init_hicache(None, cache, None, None)
-        state = state_of(cache)
+        state = ACK_SYNC.state_of(cache)
         assert state is not None and state.decide(cache).pipelined, "the plugin must pipeline"
     for kind in ("write", "load"):
         sim.add_ack(kind, lambda: True)  # ready everywhere: popped only if agreed

@@ -58,9 +58,9 @@ def run_offload_scenario(spec: dict, rank: int, world: int, group) -> dict:
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["traceback"] = traceback.format_exc()
         out["error_step"] = step
-    from hicache_async_ack.features.decode_offload import state_of
+    from hicache_async_ack.features.decode_offload import FEATURE
 
-    state = state_of(om.manager)
+    state = FEATURE.state_of(om.manager)
     out.update(
         per_step=per_step,
         added=added,

@@ -9,21 +9,25 @@ added in, and each rank's clock skew, are this rank's own), lifecycle events
 run (reset, storage detach then attach, an aborted request), then
 ``check_hicache_events`` (the ack sync and the votes' pass boundary), then
 ``check_prefetch_progress`` for the waiting requests in queue order, up to a
-budget (the batch filling up). The deadline each rank sees is a pass number
-(``_prefetch_deadline_expired`` replaced per rank), so "the same verdict in the
-same pass" can be checked exactly.
+budget (the batch filling up). Each rank's deadline is upstream's
+admission-poll timer counted in passes (:func:`~hicache_async_ack_lab.sim.
+prefetch.poll_deadline`: it starts at the first check that finds the prefetch
+unfinished, and passes a per-rank number of passes later), so "the same
+verdict in the same pass" can be checked exactly.
 
 Spec keys: name, seed, passes, warmup (passes before the first request),
 env / rank_env ({rank: settings}), events (bool), check_all (every waiting
 request every pass), expect_error, host_memory_mode (the cache's), skew
-({rank: from_pass}: from that pass on, that rank's waiting-queue loop visits one
-request fewer than the others', as a rank whose batch fills up earlier does:
-SGLang #30760), completions (bool: storage reads also finish, each rank's at
-its own pass but in submission order, as one transfer worker per rank finishes
-them; their acks are drained by the agreed count inside
-``check_hicache_events``), loop_only_verdicts (bool: the negative control; the
-verdicts are applied only where a rank's loop visits a request, as before the
-fix, so a skewed rank must diverge).
+({rank: from_pass}: from that pass until the last arrival, that rank's
+waiting-queue loop visits one request fewer than the others', as a rank whose
+batch fills up earlier does: SGLang #30760; a request that rank never reaches
+is never timed out, as in stock, so the skew ends before the drain),
+completions (bool: storage reads also finish, each rank's at its own pass but
+in submission order, as one transfer worker per rank finishes them; their acks
+are drained by the agreed count inside ``check_hicache_events``),
+loop_only_verdicts (bool: the negative control; a verdict ends an operation
+only where a rank's loop reaches it, instead of at the pass boundary, so a
+skewed rank must diverge).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
 
     clock = SimpleNamespace(now=-1)
     sim = build_cache(tp_group=group, tp_world_size=world, storage=True)
-    ps = add_prefetch(sim, deadline=lambda op: clock.now >= op.test_deadline[rank])
+    ps = add_prefetch(sim, budget=lambda op: op.test_budget[rank], clock=clock)
     params = SimpleNamespace(enable_metrics=False)
     after_init_hicache(None, sim.cache, None, params)
     after_init_hicache_prefetch(None, sim.cache, None, params)
@@ -76,11 +80,11 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
     out: dict = {"events": {}}
     total = spec["passes"] + spec.get("drain", 40)
     p = 0
-    from hicache_async_ack.features import prefetch_votes
+    from hicache_async_ack.features import vote_pass
 
-    applied = prefetch_votes.apply_verdicts
-    if spec.get("loop_only_verdicts"):  # as before the fix: verdicts only where visited
-        prefetch_votes.apply_verdicts = lambda *a: None
+    applied, answer = vote_pass.apply_verdicts, vote_pass.verdict
+    if spec.get("loop_only_verdicts"):
+        vote_pass.apply_verdicts, vote_pass.verdict = loop_only(applied, answer)
     try:
         for p in range(total):
             clock.now = p
@@ -96,14 +100,14 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
                     if spec.get("completions"):
                         base = p + shared.randint(1, 7)
                         finish = [base + shared.randint(0, 2) for _ in range(world)]
-                    births.append((f"r{n_id}", [p + life + s for s in skews], finish))
+                    births.append((f"r{n_id}", [life + s for s in skews], finish))
                     n_id += 1
                 in_order = list(births)  # submission order: the shared one
                 local.shuffle(births)  # arrival order differs per rank
                 handles = {}
-                for rid, deadlines, _ in births:
+                for rid, budgets, _ in births:
                     h = handles[rid] = ps.add(rid)
-                    cache.ongoing_prefetch[h].operation.test_deadline = deadlines
+                    cache.ongoing_prefetch[h].operation.test_budget = budgets
                     added.append((rid, 0))
                 for rid, _, finish in in_order:
                     if finish:  # one transfer worker: reads finish in submission order
@@ -128,12 +132,12 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
                 out["events"]["attach"] = out["events"].get("attach", 0) + 1
             while reads and reads[0][2] <= p:  # this rank's worker finished these reads
                 op, q, _ = reads.pop(0)
-                due = not op.is_terminated() and clock.now >= op.test_deadline[rank]
+                due = not op.is_terminated() and cache._prefetch_deadline_expired(op)
                 raced += bool(ps.complete(op, q) and due)
             cache.check_hicache_events()
             waiting = sorted(cache.ongoing_prefetch, key=lambda h: int(h.rid[1:]))
             budget = len(waiting) if spec.get("check_all") else shared.randint(0, len(waiting))
-            if skew_from is not None and p >= skew_from:
+            if skew_from is not None and skew_from <= p < spec["passes"]:
                 budget = max(0, budget - 1)  # this rank's loop stops one request earlier
             for h in waiting[:budget]:
                 ps.check(h)
@@ -145,10 +149,10 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
         out["traceback"] = traceback.format_exc()
         out["error_pass"] = p
     finally:
-        prefetch_votes.apply_verdicts = applied
-    from hicache_async_ack.features.prefetch_votes import state_of
+        vote_pass.apply_verdicts, vote_pass.verdict = applied, answer
+    from hicache_async_ack.features.prefetch_votes import FEATURE
 
-    state = state_of(cache)
+    state = FEATURE.state_of(cache)
     out.update(
         per_pass=per_pass,
         added=added,
@@ -159,6 +163,24 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
         checks=ps.checks,
     )
     return out
+
+
+def loop_only(apply_verdicts, verdict):
+    """The negative control's pair: verdicts kept instead of applied at the
+    boundary, and answered where the walk reaches their operation."""
+    kept: list = []
+
+    def keep(state, cache):
+        kept.extend(state.taken)
+        state.taken = []
+
+    def answer(state, cache, original, operation, *a, **kw):
+        if state is not None and state.active and any(v(operation) for v in kept):
+            state.stopped += 1
+            return True
+        return verdict(state, cache, original, operation, *a, **kw)
+
+    return keep, answer
 
 
 def run_prefetch_specs(ctx, payload: dict) -> dict:

@@ -29,7 +29,8 @@ from typing import Optional
 
 from hicache_async_ack import core
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR
-from hicache_async_ack.features.ack_sync import after_init_hicache, state_of
+from hicache_async_ack.features.ack_sync import FEATURE as ACK_SYNC
+from hicache_async_ack.features.ack_sync import after_init_hicache
 from hicache_async_ack_lab.sim.cache import build_cache
 from hicache_async_ack_lab.sim.clock import ModelClock, modelled
 from hicache_async_ack_lab.sim.traffic import StepClock, Traffic, TrafficSpec
@@ -105,11 +106,11 @@ class RankDriver:
         # as init_hicache(server_args, params) would, with --enable-metrics or not
         params = SimpleNamespace(enable_metrics=bool(spec.get("metrics")))
         if _in_tree:
-            assert state_of(self.sim.cache) is None  # no plugin
+            assert ACK_SYNC.state_of(self.sim.cache) is None  # no plugin
             attach_in_tree(self.sim.cache)
         else:
             after_init_hicache(None, self.sim.cache, None, params)
-        state = state_of(self.sim.cache)
+        state = ACK_SYNC.state_of(self.sim.cache)
         self.step = 0
         self.clock: Optional[ModelClock] = None  # model time, with latency_ms
         if spec.get("latency_ms") and state is not None and state.sync is not None:
@@ -132,7 +133,7 @@ class RankDriver:
     def state(self):
         if _in_tree:
             return InTreeState(self.sim.cache)
-        state = state_of(self.sim.cache)
+        state = ACK_SYNC.state_of(self.sim.cache)
         assert state is not None, "the cache has no ack sync state"
         return state
 
