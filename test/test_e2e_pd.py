@@ -183,7 +183,7 @@ def run_pd(tmp: Path, name: str, decode_env: dict, kill: bool = True, **kw) -> R
         warm_files = set(store_contents(pd.store))
         rec = Record([ask(pd, p, max_new_tokens=MAX_NEW) for p in PROMPTS])  # type: ignore[arg-type]
         rec.warmup = warmup
-        rec.counts = settled_counts(counts_dir)
+        rec.counts = settled_counts(counts_dir) if pd.offload else {}
         rec.gauge = by_rank(pd.decode, GAUGE)
         rec.popped = by_rank(pd.decode, OFFLOAD_METRIC)
         rec.store = {k: v for k, v in store_contents(pd.store).items() if k not in warm_files}

@@ -170,7 +170,7 @@ def measure(cfg: dict, pair, conf: tuple, rnd: int, workdir: Path, name: str) ->
            "startup_s": pair.startup_s, "loadavg_end": os.getloadavg(),
            "pipelined_ranks": ranks, "runs": runs}  # fmt: skip
     for key, _ in FIGURES:
-        vals = [float(r[key]) for r in runs if r.get(key)]
+        vals = [float(x) for x in (r.get(key) for r in runs) if x]
         rec[key] = sum(vals) / len(vals) if vals else None
     return rec
 
@@ -178,12 +178,16 @@ def measure(cfg: dict, pair, conf: tuple, rnd: int, workdir: Path, name: str) ->
 # -- the report ------------------------------------------------------------------------
 
 
+Spec = tuple[str, tuple, tuple, Optional[Claim]]
+
+
 def ratio_specs(cfg: dict) -> list[tuple[str, tuple, tuple, Optional[Claim], float]]:
     """(name, numerator, denominator, claim or None: printed only, latency)."""
-    arms, out = set(cfg["arms"]), []
+    arms = set(cfg["arms"])
+    out: list[tuple[str, tuple, tuple, Optional[Claim], float]] = []
     for lat in cfg["latencies_ms"]:
         plugin, stock, bnd = ("plugin", lat, None), ("stock", lat, None), ("bound", 0.0, None)
-        specs = [("plugin / stock", plugin, stock, None),
+        specs: list[Spec] = [("plugin / stock", plugin, stock, None),
                  ("plugin / bound", plugin, bnd, None),
                  ("stock / bound", stock, bnd, None)]  # fmt: skip
         if lat and 0.0 in cfg["latencies_ms"]:

@@ -93,7 +93,7 @@ def option(args: Sequence[str], name: str) -> Optional[str]:
 def server_env(args: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
     """What cpu-server sets for Mooncake, as L3 store or as PD transfer engine (never
     overriding the caller)."""
-    wanted = {}
+    wanted: dict[str, str] = {}
     if _storage_backend(args) == "mooncake":
         # A second, RDMA transfer engine TCP never uses would ask for a local IP.
         wanted.update(SGLANG_HICACHE_MOONCAKE_REUSE_TE="0", SGLANG_HOST_IP="127.0.0.1")
