@@ -20,9 +20,9 @@ storage backend, so the prefetch votes run too):
   (test/monitoring_boot/): the version guard keeps it inert;
 - ``slow-fresh`` / ``slow``: the plugin with a 50 ms reduce (cpu-server's latency
   model), just started and after traffic: the waits are not hidden;
-- ``decode-offload`` / ``decode-offload-slow``: no cpu-server runs PD decode, so
-  the plugin's own decode-offload metrics class in two rank processes over a
-  real multiprocess directory (see capture_decode_offload);
+- ``decode-offload`` / ``decode-offload-slow``: a PD decode server (TP=2, KV
+  offload to a file store, cpu-server's PD pair) with a 50 ms offload reduce, after
+  one request and after traffic;
 - ``mixed-node0`` / ``mixed-node1``: a two-node launch (one rank each), node 0
   with the plugin, node 1 with it disabled: the last exposition each node
   served before the group stopped (``.status`` says how it ended).
@@ -237,83 +237,35 @@ def capture_mixed(tmp: Path, data: Path = DATA, limit_s: float = 900.0) -> None:
     (data / "mixed.status").write_text(json.dumps(status, indent=1) + "\n")
 
 
-# One decode-offload rank: the plugin's own metrics class in its own process, as a
-# PD decode scheduler runs it; each step waits WAIT_MS on the due reduce after a
-# STEP_MS forward (real sleeps: the wait share is ~WAIT/(STEP+WAIT)).
-_OFFLOAD_RANK = """
-import os, sys, time
-from hicache_async_ack.metrics import OffloadSyncMetrics
-m = OffloadSyncMetrics({{"tp_rank": sys.argv[1]}})
-m.on_path(True)
-def step():
-    time.sleep({step_s})
-    t0 = time.perf_counter(); time.sleep({wait_s})
-    m.on_step(time.perf_counter() - t0, {{"ack_write_queue": 1, "ack_backup_queue": 0}})
-step()
-open(sys.argv[2] + ".ready" + sys.argv[1], "w").close()
-while not os.path.exists(sys.argv[2] + ".go"):
-    time.sleep(0.05)
-for _ in range({steps}):
-    step()
-"""
-
-
-def render_multiprocess(prom_dir: Path) -> dict[str, str]:
-    """What SGLang's /metrics serves from a multiprocess directory, per format."""
-    from prometheus_client import CollectorRegistry
-    from prometheus_client.exposition import choose_encoder
-    from prometheus_client.multiprocess import MultiProcessCollector
-
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(prom_dir))
-    return {ext: choose_encoder(a)[0](registry).decode() for ext, a in FORMATS.items()}
-
-
 def capture_decode_offload(tmp: Path, data: Path = DATA) -> None:
-    """No cpu-server runs PD decode: the decode offload sync's series come from
-    the plugin's OffloadSyncMetrics in two rank processes over a real
-    multiprocess directory, rendered as /metrics renders it: ``decode-offload``
-    after one step, ``decode-offload-slow`` after 200 more steps of 10 ms forward
-    and 5 ms wait."""
-    import os
-    import subprocess
+    """A real PD decode server (cpu_server/pd.py: prefill TP 1, decode TP 2 with KV
+    offload to a file store, the plugin pipelining its offload progress) whose offload
+    reduce takes SLOW_REDUCE_MS (cpu-server's latency model, on the decode ranks):
+    ``decode-offload`` after one request, ``decode-offload-slow`` after the traffic."""
+    from hicache_async_ack_lab.cpu_server.pd import PDPair
 
-    prom_dir = tmp / "decode-offload-multiproc"
-    prom_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(prom_dir))
+    from e2e_servers import START_TIMEOUT_S, prompts
 
-    # One run: both ranks step once and wait (``decode-offload`` is rendered then),
-    # then step on (``decode-offload-slow``): the span between the two renders
-    # holds only the steps, not the interpreter starts.
-    code = _OFFLOAD_RANK.format(steps=200, step_s=0.010, wait_s=0.005)
-    flag = str(tmp / "decode-offload")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, str(r), flag], env=env, start_new_session=True
-        )
-        for r in (0, 1)
-    ]
-    try:
-        deadline = time.monotonic() + 900
-        while not all(os.path.exists(f"{flag}.ready{r}") for r in (0, 1)):
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                raise RuntimeError("the decode-offload ranks did not start")
-            time.sleep(0.1)
-        data.mkdir(parents=True, exist_ok=True)
-        for name in ("decode-offload", "decode-offload-slow"):
-            if name.endswith("slow"):
-                Path(f"{flag}.go").touch()
-                for p in procs:
-                    if p.wait(timeout=900) != 0:
-                        raise RuntimeError("a decode-offload rank failed")
-            at = time.time()
-            for ext, text in render_multiprocess(prom_dir).items():
-                (data / f"{name}.{ext}").write_text(keep_hicache(text))
-            _stamp(data, name, at)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
+    pd = PDPair(["--enable-metrics"], workdir=tmp / "decode-offload",
+                latency_ms=SLOW_REDUCE_MS, start_timeout_s=START_TIMEOUT_S)  # fmt: skip
+    with pd:
+        texts = prompts(8, seed=34)
+        pd.generate(texts[0], max_new_tokens=4)
+        record_with(pd.decode, "decode-offload", data)
+        for text in texts:
+            pd.generate(text, max_new_tokens=16, ignore_eos=True)
+            time.sleep(PACE_S)
+        record_with(pd.decode, "decode-offload-slow", data)
+
+
+def record_with(server, name: str, data: Path) -> None:
+    """``record`` through the server's own client (a PD server lives in a namespace)."""
+    data.mkdir(parents=True, exist_ok=True)
+    at = time.time()
+    for ext, accept in FORMATS.items():
+        text = server.ns.call(scrape, server.url, accept)
+        (data / f"{name}.{ext}").write_text(keep_hicache(text))
+    _stamp(data, name, at)
 
 
 def _stamp(data: Path, name: str, at: float) -> None:

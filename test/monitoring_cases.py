@@ -307,8 +307,8 @@ def cases() -> list[Case]:
         ),
         Case(
             "HiCacheDecodeOffloadNotHidden", True,
-            "decode steps waiting on the offload reduce (the plugin's metrics class, "
-            "two ranks)",
+            "a PD decode server whose offload reduce takes 50 ms: the real server's "
+            "wait rate",
             {N0: [Seg(25, OFFLOAD_SLOW, grow_from=OFFLOAD)]}, 24,
             [dict(instance=N0, tp_rank=tp) for tp in ("0", "1")],
         ),
