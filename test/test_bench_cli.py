@@ -50,7 +50,7 @@ def _start(args, cwd, **env):
     )
 
 
-def _finish(proc, timeout=240):
+def _finish(proc, timeout=900):  # a hang guard on a busy box, not a speed check
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -196,7 +196,7 @@ def test_bench_variant_storage_dedicated_depth2_latency(runs):
     ],
 )
 def test_bench_refuses_bad_options(tmp_path, args, accepted):
-    rc, out, err = _finish(_start(["bench", *args], tmp_path), timeout=60)
+    rc, out, err = _finish(_start(["bench", *args], tmp_path), timeout=300)
     assert rc != 0
     assert accepted in err, err
     assert args[0] in err
@@ -205,7 +205,7 @@ def test_bench_refuses_bad_options(tmp_path, args, accepted):
 def test_bench_fails_clearly_when_a_rank_dies(tmp_path):
     args = ["bench", "--arms", "l1", "--tp", "2", "--steps", "20", "--step-ms", "1"]
     rc, out, err = _finish(
-        _start([*args, "--crash-rank-at", "1:5", "--quiet"], tmp_path), timeout=90
+        _start([*args, "--crash-rank-at", "1:5", "--quiet"], tmp_path), timeout=300
     )
     assert rc == 1, err
     assert "rank 1 exited with code 3" in err

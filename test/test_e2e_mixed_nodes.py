@@ -28,8 +28,9 @@ STOP_WITHIN_S = START_TIMEOUT_S
         # The plugin disabled on node 1: the ack sync's first exchange names it.
         (STOCK_ENV, False, "HiCacheAckSyncMismatch: HiCache ack sync"),
         # Only the prefetch votes off on node 1 (a storage backend attached, default
-        # timeout policy): their one-time agreement names the setting.
-        ({PREFETCH_VOTES_VAR: "0"}, True, PREFETCH_VOTES_VAR + " differs"),
+        # timeout policy): the ack sync's first exchange carries their flags (they
+        # ride its reduce) and names the setting.
+        ({PREFETCH_VOTES_VAR: "0"}, True, PREFETCH_VOTES_VAR + ": this rank 1"),
     ],
     ids=["plugin-disabled", "prefetch-votes-off"],
 )

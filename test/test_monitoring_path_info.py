@@ -226,22 +226,46 @@ def _registered(monkeypatch) -> list:
 
 
 def test_an_inert_plugin_registers_only_the_path_info_hook(monkeypatch):
-    """The version guard refuses a changed SGLang method: no sync hook, only
-    the AFTER init_hicache hook that exports path "off" (the inert capture in
-    test/data/monitoring/inert.* shows what it exports on a real server)."""
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    """The version guard refuses a changed SGLang method every feature relies on
+    (HookRegistry's _wrap_fn): no sync hook, only the AFTER init_hicache hook
+    that exports path "off" (the inert capture in test/data/monitoring/inert.*
+    shows what it exports on a real server)."""
+    from sglang.srt.plugins import hook_registry
 
     from hicache_async_ack.guard import CACHE_CLASS
     from hicache_async_ack_lab.testing.drift import drifted
 
+    monkeypatch.setattr(hook_registry, "_wrap_fn", drifted(hook_registry._wrap_fn, _noop_statement))
+    assert _registered(monkeypatch) == [
+        (f"{CACHE_CLASS}.init_hicache", "after_init_hicache_path_info")
+    ]
+
+
+def test_a_method_only_the_ack_sync_relies_on_marks_only_it_off(monkeypatch):
+    """writing_check changed: the ack sync stands down (its path info hook marks
+    it off), the votes and the offload sync keep their hooks."""
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    from hicache_async_ack.guard import CACHE_CLASS, MANAGER_CLASS, check_installed
+    from hicache_async_ack_lab.testing.drift import drifted
+
+    runnable = {f.feature for f in check_installed().features() if f.status == "tested"}
     monkeypatch.setattr(
         UnifiedRadixCache,
         "writing_check",
         drifted(UnifiedRadixCache.writing_check, _noop_statement),
     )
-    assert _registered(monkeypatch) == [
-        (f"{CACHE_CLASS}.init_hicache", "after_init_hicache_path_info")
-    ]
+    calls = _registered(monkeypatch)
+    inert = [t for t, name in calls if name == "after_init_hicache_path_info"]
+    assert inert == [f"{CACHE_CLASS}.init_hicache"]
+    hooked = {t for t, name in calls if name != "after_init_hicache_path_info"}
+    if "prefetch_votes" in runnable:
+        assert f"{CACHE_CLASS}._can_terminate_prefetch" in hooked
+    if "decode_offload" in runnable:
+        assert f"{MANAGER_CLASS}.check_offload_progress" in hooked
+    assert f"{CACHE_CLASS}._sync_hicache_ready_counts" not in hooked or (
+        "prefetch_votes" in runnable  # the votes' own hook on it (they ride it)
+    )
 
 
 def test_a_tested_sglang_registers_the_sync_hooks_and_no_path_info_hook(monkeypatch):

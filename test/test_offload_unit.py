@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch.distributed
 
-from hicache_async_ack.core import HiCacheAckSyncMismatch
 from hicache_async_ack.env import OFFLOAD_SYNC_VAR
 from hicache_async_ack.features import decode_offload as offload_sync
+from hicache_async_ack.features.decode_offload import OffloadSyncMismatch
 from hicache_async_ack_lab.sim.collectives import FakeGroup
 from hicache_async_ack_lab.sim.offload import build_manager
 
@@ -98,7 +98,7 @@ def test_a_stock_peer_is_named_at_the_first_step(make, agreement):
     agreement["peer"] = [3, 0]  # a stock rank's two queue sizes
     om = make()
     om.add_offload()
-    with pytest.raises(HiCacheAckSyncMismatch, match="a peer does not"):
+    with pytest.raises(OffloadSyncMismatch, match="a peer does not"):
         om.manager.check_offload_progress()
     assert om.take_pops() == []
 
@@ -107,7 +107,7 @@ def test_a_peer_with_the_setting_off_is_named(make, agreement):
     off = offload_sync.CODE
     agreement["peer"] = [off, -off]
     om = make()
-    with pytest.raises(HiCacheAckSyncMismatch, match=f"{OFFLOAD_SYNC_VAR} differs"):
+    with pytest.raises(OffloadSyncMismatch, match=f"{OFFLOAD_SYNC_VAR} differs"):
         om.manager.check_offload_progress()
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_async_ack.env import PLUGINS_VAR
+from hicache_async_ack.env import DEPTH_VAR, PLUGINS_VAR
 from hicache_async_ack.tools.ranks import Job, RanksFailed, run_fresh
 
 WORLD = 2
@@ -66,7 +66,19 @@ REJECTED = dict(
     reject={"0": {"4": ["r1"]}},
 )
 BUFFER_ONLY = dict(DEADLINE, name="deadline_buffer_only", host_memory_mode="buffer_only")
-SPECS = [SATURATED, DEADLINE, SKEW, REJECTED, BUFFER_ONLY]
+DEPTH_2 = dict(DEADLINE, name="deadline_depth_2", env={DEPTH_VAR: "2"})
+SPECS = [SATURATED, DEADLINE, SKEW, REJECTED, BUFFER_ONLY, DEPTH_2]
+# attention CP=2 x TP=2 (world 4): the votes ride the ack sync's one reduce over
+# the TP group, where stock runs two per request (CP group, then attention TP)
+CP_TP = dict(
+    name="deadline_cp_tp",
+    passes=10,
+    cp=2,
+    requests=[
+        dict(rid="r0", arrive=0, budget=[2, 3, 4, 3]),
+        dict(rid="r1", arrive=1, budget=[9, 9, 9, 1]),
+    ],
+)
 CONTROL = [dict(SATURATED, name="saturated_unreached_votes", unreached_votes=True)]
 
 
@@ -85,19 +97,29 @@ def results():
 
     drifted = job("walk, ack-only drift", [DEADLINE])
     drifted.payload["drift"] = "writing_check:no_op_first"
-    plugin, stock, ack_off = run_fresh(
-        [job("walk, plugin", SPECS + CONTROL), job("walk, stock", SPECS, STOCK), drifted]
+    cp_plugin, cp_stock = job("walk, CP x TP", [CP_TP]), job("walk, CP x TP, stock", [CP_TP])
+    for j in (cp_plugin, cp_stock):
+        j.world_size = 4
+    cp_stock.rank_env = {r: {PLUGINS_VAR: "some_other_plugin"} for r in range(4)}
+    out = run_fresh(
+        [
+            job("walk, plugin", SPECS + CONTROL),
+            job("walk, stock", SPECS, STOCK),
+            drifted,
+            cp_plugin,
+            cp_stock,
+        ]
     )
-    for out in (plugin, stock, ack_off):
-        if isinstance(out, RanksFailed):
-            raise AssertionError(str(out))
-    return {"plugin": plugin, "stock": stock, "ack_off": ack_off}
+    for ranks in out:
+        if isinstance(ranks, RanksFailed):
+            raise AssertionError(str(ranks))
+    return dict(zip(("plugin", "stock", "ack_off", "cp_plugin", "cp_stock"), out))
 
 
-def runs(results, arm: str, name: str) -> list[dict]:
+def runs(results, arm: str, name: str, world: int = WORLD) -> list[dict]:
     per = [r[name] for r in results[arm]]
-    assert len(per) == WORLD
-    assert all(r["plugin"] == (arm == "plugin") for r in per), "the arm ran the other code"
+    assert len(per) == world
+    assert all(r["plugin"] == ("plugin" in arm) for r in per), "the arm ran the other code"
     return per
 
 
@@ -136,7 +158,9 @@ def test_votes_on_unreached_operations_end_it_by_deadline(results):
         assert r["stopped_on_verdict"] == 1
 
 
-@pytest.mark.parametrize("name, late", [("deadline", 2), ("deadline_buffer_only", 1)])
+@pytest.mark.parametrize(
+    "name, late", [("deadline", 2), ("deadline_buffer_only", 1), ("deadline_depth_2", 3)]
+)
 def test_a_deadline_the_walk_sees_ends_it_as_in_stock_later(results, name, late):
     stock, plugin = runs(results, "stock", name), runs(results, "plugin", name)
     clean(stock + plugin)
@@ -202,3 +226,21 @@ def test_an_ack_only_change_leaves_the_votes_riding_upstreams_reduce(results):
         assert endings(r) == {rid: (at + 1, why) for rid, (at, why) in s0.items()}
         steady = r["per_pass"][1:]
         assert all(x["async"] == 0 and x["blocking"] == 1 for x in steady), steady
+
+
+def test_attention_cp_x_tp_rides_the_ack_reduce_over_the_tp_group(results):
+    """CP=2 x TP=2: stock reduces each reach over the CP group then the attention
+    TP group; the votes ride the ack sync's one reduce over the TP group (the
+    same MAX, by the span argument), two passes later, one all_reduce per pass."""
+    stock = runs(results, "cp_stock", "deadline_cp_tp", world=4)
+    plugin = runs(results, "cp_plugin", "deadline_cp_tp", world=4)
+    clean(stock + plugin)
+    s0 = endings(stock[0])
+    # r0 by rank 0's deadline (pass 2), r1 by rank 3's (first check pass 1 + 1)
+    assert s0 == {"r0": (2, "deadline"), "r1": (2, "deadline")}
+    for s, p in zip(stock, plugin):
+        assert endings(s) == s0
+        assert endings(p) == {rid: (at + 2, why) for rid, (at, why) in s0.items()}
+        assert p["mode"] == "ack" and p["stopped_on_verdict"] == 2
+        steady = p["per_pass"][1:]
+        assert steady and all(x["async"] == 1 and x["blocking"] == 0 for x in steady), steady

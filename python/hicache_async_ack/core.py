@@ -120,6 +120,9 @@ class PipelinedAckSync:
     ran the blocking path). With ``auto``, the depth follows that rule, starting
     at ``depth``; ``clock`` (seconds) times the waits it observes.
 
+    ``title`` starts its messages and ``errors`` are the (error, mismatch)
+    classes it raises: the sync it serves (the ack sync's by default).
+
     ``flag_names`` (bit -> what it means) makes every reduce carry ``[f, -f]``
     after the stamp: layout flags every rank must share (which sections the
     next reduces carry), checked at consume like the stamp's agreed fields, so a
@@ -137,6 +140,8 @@ class PipelinedAckSync:
         hints: Optional[Mapping[str, str]] = None,
         clock: Callable[[], float] = time.perf_counter,
         flag_names: Optional[Mapping[int, str]] = None,
+        title: str = "HiCache ack sync",
+        errors: tuple[type, type] = (HiCacheAckSyncError, HiCacheAckSyncMismatch),
     ):
         if not 1 <= depth <= DEPTH_LIMIT:
             raise ValueError(f"depth must be from 1 to {DEPTH_LIMIT}, got {depth}")
@@ -147,6 +152,8 @@ class PipelinedAckSync:
             auto.depth = depth
         self.hints = dict(hints or {})
         self.flag_names = None if flag_names is None else dict(flag_names)
+        self.title = title
+        self.error, self.mismatch = errors
         self._pending: deque[_Pending] = deque()
         self._failed: Optional[BaseException] = None
         self._step = 0
@@ -166,8 +173,8 @@ class PipelinedAckSync:
 
     def _check_usable(self) -> None:
         if self._failed is not None:
-            raise HiCacheAckSyncError(
-                f"HiCache ack sync already failed on this rank and will not retry: {self._failed}"
+            raise self.error(
+                f"{self.title} already failed on this rank and will not retry: {self._failed}"
             ) from self._failed
 
     def issue(
@@ -318,8 +325,8 @@ class PipelinedAckSync:
         names = "; ".join(
             f"{(self.flag_names or {})[b]}: this rank {mine >> b & 1}" for b in differ
         )
-        err = HiCacheAckSyncMismatch(
-            f"HiCache ack sync: ranks disagree on {what}: the layout flags differ across "
+        err = self.mismatch(
+            f"{self.title}: ranks disagree on {what}: the layout flags differ across "
             f"the group (group min {lo:#x}, max {hi:#x}): {names or 'unknown bits'}. Give "
             "every node of the TP group the same settings and storage backend. Nothing "
             "was popped; stopping."
@@ -331,8 +338,8 @@ class PipelinedAckSync:
     def _mismatch(self, what: str, x: int, lo_x: int, hi_x: int) -> NoReturn:
         mine, lo, hi = Stamp.unpack(x), Stamp.unpack(lo_x), Stamp.unpack(hi_x)
         why = describe_mismatch(mine, lo, hi, self.hints)
-        err = HiCacheAckSyncMismatch(
-            f"HiCache ack sync: ranks disagree on {what}: {why} Nothing was popped; stopping."
+        err = self.mismatch(
+            f"{self.title}: ranks disagree on {what}: {why} Nothing was popped; stopping."
         )
         self._pending.clear()
         self._failed = err
@@ -374,8 +381,8 @@ class PipelinedAckSync:
     def _fail(self, exc: BaseException, doing: str) -> NoReturn:
         self._pending.clear()
         self._failed = exc
-        raise HiCacheAckSyncError(
-            f"HiCache ack sync failed while {doing}: {exc}. A peer rank may have "
+        raise self.error(
+            f"{self.title} failed while {doing}: {exc}. A peer rank may have "
             "died or the collective timed out; not retrying."
         ) from exc
 

@@ -37,15 +37,25 @@ STOCK_LIMIT = 1 << DIGEST_BITS  # upstream's own [digest, -digest] stays below t
 IN_TREE_LIMIT = 1 << 58
 
 
-class HiCacheAckSyncError(RuntimeError):
-    """The HiCache ack sync cannot continue on this rank (peer died, timeout,
-    divergence, ranks that disagree). Never retried: a retry would
-    desynchronise the collectives."""
+class HiCacheAsyncAckError(RuntimeError):
+    """A sync of hicache-async-ack cannot continue on this rank (a peer died, a
+    timeout, ranks that diverged or disagree): the base of every error the plugin
+    raises. Never retried: a retry would desynchronise the collectives."""
 
 
-class HiCacheAckSyncMismatch(HiCacheAckSyncError):
-    """The ranks of the group disagree on the protocol, its settings, or the
-    reclaim digest; raised on every pipelining rank before anything is popped."""
+class HiCacheAsyncAckMismatch(HiCacheAsyncAckError):
+    """The ranks of a group disagree (protocol, settings, what they hold); raised
+    on every rank of the group, before anything is popped or used."""
+
+
+class HiCacheAckSyncError(HiCacheAsyncAckError):
+    """The HiCache ack sync cannot continue on this rank."""
+
+
+class HiCacheAckSyncMismatch(HiCacheAckSyncError, HiCacheAsyncAckMismatch):
+    """The ranks of the group disagree on the protocol, its settings, the layout
+    flags or the reclaim digest; raised on every pipelining rank before anything
+    is popped."""
 
 
 class Handle(Protocol):

@@ -52,8 +52,8 @@ from typing import Any, Hashable, Mapping, NoReturn, Optional, Sequence
 
 from .stamp import (
     STOCK_LIMIT,
-    HiCacheAckSyncError,
-    HiCacheAckSyncMismatch,
+    HiCacheAsyncAckError,
+    HiCacheAsyncAckMismatch,
     Stamp,
     describe_mismatch,
     pack_stamp,
@@ -73,12 +73,12 @@ NOT_REACHED, REACHED_EXPIRED, REACHED = 0, 2, 3  # a slot's value; MIN == 2: sto
 SKEW_ISSUE = "SGLang #30760"
 
 
-class PrefetchVoteError(HiCacheAckSyncError):
+class PrefetchVoteError(HiCacheAsyncAckError):
     """The prefetch vote sync cannot continue on this rank (peer died, timeout,
     ranks that disagree). Never retried."""
 
 
-class PrefetchVoteMismatch(PrefetchVoteError, HiCacheAckSyncMismatch):
+class PrefetchVoteMismatch(PrefetchVoteError, HiCacheAsyncAckMismatch):
     """The ranks disagree on the set of ongoing prefetch operations or on the
     protocol; raised on every rank before any verdict of that section is used."""
 

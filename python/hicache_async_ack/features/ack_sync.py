@@ -66,7 +66,7 @@ def static_decision(cache, release: Optional[str]) -> Decision:
     )
 
 
-class CacheState(FeatureState):
+class AckSyncState(FeatureState):
     """What is kept per UnifiedRadixCache.
 
     ``blocker``, when given, keeps this cache on the blocking path for its
@@ -170,13 +170,13 @@ class CacheState(FeatureState):
             self.metrics.on_path(pipelined, after)
 
 
-def build(cache, settings: Optional[Settings] = None) -> CacheState:
+def build(cache, settings: Optional[Settings] = None) -> AckSyncState:
     """The cache's state (``settings`` default to the environment's); a cache
     whose hooks are not in place stays blocking."""
     problem = unhooked(type(cache), HOOKED, ACK)
     blocker = blocking(problem, "hooks_missing") if problem else None
     settings = read_settings() if settings is None else settings
-    return CacheState(cache, settings, feature_release(ACK), blocker)
+    return AckSyncState(cache, settings, feature_release(ACK), blocker)
 
 
 FEATURE = Feature(ACK, "_hicache_ack_sync_state", build)

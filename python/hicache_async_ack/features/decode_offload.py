@@ -32,10 +32,20 @@ from ..kit.collectives import Collectives
 from ..kit.decision import Decision, blocking, untested_release
 from ..kit.feature import Feature, FeatureState
 from ..kit.queues import head_reader
-from ..names import OFFLOAD, OFFLOAD_QUEUES
-from ..stamp import HiCacheAckSyncError, HiCacheAckSyncMismatch
+from ..names import OFFLOAD, OFFLOAD_QUEUES, TITLES
+from ..stamp import HiCacheAsyncAckError, HiCacheAsyncAckMismatch
 
 CODE = 1 << 30  # above any queue size a stock rank sends in the agreement
+
+
+class OffloadSyncError(HiCacheAsyncAckError):
+    """The decode offload sync cannot continue on this rank."""
+
+
+class OffloadSyncMismatch(OffloadSyncError, HiCacheAsyncAckMismatch):
+    """The decode ranks disagree (a stock peer, the setting, the stamp)."""
+
+
 STOCK_HINT = (
     "that rank runs SGLang's blocking offload sync: give every node of the TP group "
     f"the same install and the same {ENABLE_VAR} / {OFFLOAD_SYNC_VAR}."
@@ -58,6 +68,8 @@ class OffloadSyncState(FeatureState):
                 self.collectives.async_min(manager.tp_group),
                 1,
                 hints={"stock": STOCK_HINT, "protocol": STOCK_HINT},
+                title=TITLES[OFFLOAD],
+                errors=(OffloadSyncError, OffloadSyncMismatch),
             )
         self.draining = False  # inside drain_before_retraction: upstream's path
         self.head = head_reader(manager)
@@ -77,17 +89,17 @@ class OffloadSyncState(FeatureState):
         try:
             lo, hi = self.collectives.int32_min(self.static.group, [s, -s])
         except Exception as exc:
-            raise HiCacheAckSyncError(
+            raise OffloadSyncError(
                 f"HiCache decode offload sync: the one-time agreement failed ({exc})"
             ) from exc
         hi = -hi
         if lo < CODE:
-            raise HiCacheAckSyncMismatch(
+            raise OffloadSyncMismatch(
                 "HiCache decode offload sync: this node pipelines, a peer does not: "
                 f"{STOCK_HINT} Stopping before any pop."
             )
         if lo != hi:
-            raise HiCacheAckSyncMismatch(
+            raise OffloadSyncMismatch(
                 f"HiCache decode offload sync: {OFFLOAD_SYNC_VAR} differs across the TP "
                 f"group: this rank {int(self.enabled)}, group min {lo - CODE}, max "
                 f"{hi - CODE}. Set it identically on every node. Stopping before any pop."

@@ -140,9 +140,6 @@ class Feature:
         state = self.state_of(obj)
         return self.attach(obj) if state is None else state
 
-    def methods(self) -> list[str]:
-        return [h.method for h in self.hooks]
-
 
 def check_order(features: Iterable[Feature]) -> tuple[Feature, ...]:
     """The features in registration order, asserting each one's ``after``: a

@@ -22,9 +22,10 @@ finishes; either an int or one per rank), capacity (requests admitted per
 pass, default all), full ([pass, ...]: the batch is full before the walk, on
 every rank), short ({rank: [pass, ...]}: that rank's walk stops one request
 earlier, SGLang #30760), reject ({rank: {pass: [rid, ...]}}: ``add_one_req``
-rejects it there), host_memory_mode, env / rank_env, unreached_votes (bool:
-the negative control, every ongoing operation voted on at the boundary whether
-the walk reached it or not, as before the fix).
+rejects it there), host_memory_mode, cp (attention CP inside the TP group, laid
+out as SGLang does), env / rank_env, unreached_votes (bool: the negative
+control, every ongoing operation voted on at the boundary whether the walk
+reached it or not, as before the fix).
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ from __future__ import annotations
 import traceback
 from types import SimpleNamespace
 
-from hicache_async_ack.env import ENABLE_VAR, PREFETCH_VOTES_VAR
+from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR, PREFETCH_VOTES_VAR
 from hicache_async_ack_lab.sim.cache import build_cache
 from hicache_async_ack_lab.sim.prefetch import add_prefetch
 from hicache_async_ack_lab.testing.spec_ranks import run_specs
 
-VARS = (ENABLE_VAR, PREFETCH_VOTES_VAR)
+VARS = (ENABLE_VAR, PREFETCH_VOTES_VAR, DEPTH_VAR)
+GROUP_TIMEOUT_S = 20.0
 ALL = 1 << 30
 
 
@@ -72,6 +74,11 @@ def counting(calls: list):
 def build(spec: dict, rank: int, world: int, group, clock, calls: list):
     from hicache_async_ack.kit import collectives as adapter
 
+    topology: dict = {}
+    if spec.get("cp"):  # every rank creates every group, in the same order
+        from hicache_async_ack_lab.sim.layout import attention_cp_layout, create_groups
+
+        topology = create_groups(rank, attention_cp_layout(world, spec["cp"]), GROUP_TIMEOUT_S)
     previous = adapter.use_async_min(counting(calls))
     try:
         sim = build_cache(
@@ -79,6 +86,7 @@ def build(spec: dict, rank: int, world: int, group, clock, calls: list):
             tp_world_size=world,
             storage=True,
             host_memory_mode=spec.get("host_memory_mode", "cache"),
+            **topology,
         )
         ps = add_prefetch(sim, budget=lambda op: op.test_budget, clock=clock)
         cache = sim.cache
