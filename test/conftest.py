@@ -27,6 +27,17 @@ def plugin():
 
 
 @pytest.fixture
+def judged_kept(monkeypatch):
+    """For tests that call register(): it remembers its verdict for the process's
+    hooks; put back what was judged before (the plugin fixture's), or a later
+    test's cache reads this test's drift."""
+    from hicache_async_ack import guard
+
+    for attr in ("verdict", "untested_ok", "known"):
+        monkeypatch.setattr(guard.JUDGED, attr, getattr(guard.JUDGED, attr))
+
+
+@pytest.fixture
 def hub(plugin, monkeypatch):
     """Route the plugin's reduce through a one-rank MinHub (a programmable
     peer can join it); FakeGroup sizes stand in for world sizes."""

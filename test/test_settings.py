@@ -71,7 +71,7 @@ def test_unset_is_the_default():
 
 
 @pytest.fixture
-def registered(monkeypatch, caplog):
+def registered(monkeypatch, caplog, judged_kept):
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     calls: list = []

@@ -25,9 +25,17 @@ def stamp_slot(depth=1, digest=0):
 
 
 # The layout flags these caches send ([f, -f] after the stamp): the votes'
-# setting (on by default; these caches have no prefetch policy, so no section),
-# plus the storage bit where a backend is attached.
-VOTES_SETTING = 1 << prefetch_votes.SETTING_FLAG
+# setting (on by default, sent where this SGLang has the votes at all; these
+# caches have no prefetch policy, so no section), plus the storage bit where a
+# backend is attached.
+def _votes_setting() -> int:
+    from hicache_async_ack import guard
+
+    has_votes = guard.check_installed().feature("prefetch_votes").status == "tested"
+    return int(has_votes) << prefetch_votes.SETTING_FLAG
+
+
+VOTES_SETTING = _votes_setting()
 STORAGE = 1 << ack_step.STORAGE_FLAG
 
 

@@ -43,7 +43,7 @@ def cache_cls():
 
 
 @pytest.fixture
-def registered(monkeypatch, caplog):
+def registered(monkeypatch, caplog, judged_kept):
     """register() with HookRegistry.register recording instead of registering:
     the targets of the sync hooks; ``run.features`` the features they serve,
     ``run.inert`` the syncs the path-info hooks mark off (and why)."""
@@ -366,10 +366,9 @@ def test_drifted_method_leaves_its_features_on_upstreams_path(
     monkeypatch.setattr(cache_cls, SYNC, drifted(getattr(cache_cls, SYNC)))
     registered()
     assert registered.features == live - {"ack_counts", "prefetch_votes"}
-    assert registered.inert == {
-        "ack_counts": "untested_release",
-        "prefetch_votes": "untested_release",
-    }
+    # where this SGLang has no votes predicate, the votes were off before the drift
+    votes = "untested_release" if "prefetch_votes" in live else "not_in_release"
+    assert registered.inert == {"ack_counts": "untested_release", "prefetch_votes": votes}
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 + ("prefetch_votes" in live)
     for text in warnings:
