@@ -38,6 +38,8 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Optional
 
+from hicache_async_ack.names import ACK, TITLES, VOTES
+
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
@@ -183,8 +185,9 @@ def capture_inert(tmp: Path, data: Path = DATA) -> None:
         server.start()
         traffic(server)
         log = server.log()
-        if "Registering no hooks" not in log:
-            raise RuntimeError("the guard did not keep the plugin inert:\n" + log[-3000:])
+        stood_down = [t for t in (TITLES[ACK], TITLES[VOTES]) if f"{t} (" in log]
+        if len(stood_down) != 2 or "Not hooked" not in log:
+            raise RuntimeError("the guard did not keep both cache syncs off:\n" + log[-3000:])
         record(server.url, "inert", data)
     finally:
         server.stop()

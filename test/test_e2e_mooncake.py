@@ -297,9 +297,14 @@ class TestCacheMode:
         self, servers, masters, workdir, first_pass
     ):
         # The first server stays up: Mooncake keeps objects in the segments its
-        # clients (the first server's ranks) mount.
+        # clients (the first server's ranks) mount. The second waits for its reads:
+        # its first ones open transfer-engine connections to the first server's
+        # segments, which on a busy box can outlast the default 1 s prefetch
+        # timeout (then nothing is restored and the check below sees a recompute).
         second = MooncakeServer(
-            masters["plugin"], [*BASE_ARGS, *MOONCAKE_ARGS], env=ARMS["plugin"],
+            masters["plugin"],
+            [*BASE_ARGS, *MOONCAKE_ARGS, "--hicache-storage-prefetch-policy", "wait_complete"],
+            env=ARMS["plugin"],
             log_path=workdir / "second-plugin.log", start_timeout_s=START_TIMEOUT_S,
         )  # fmt: skip
         t0 = time.monotonic()

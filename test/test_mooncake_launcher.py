@@ -300,13 +300,17 @@ def test_registered_with_cpu_servers_patches():
 
 def test_counts_written_per_rank_and_read_back(tmp_path, monkeypatch):
     counts = mooncake_standins._Counts(tmp_path)
-    for in_flight in (0, 3, 5, 0):
+    # a blocking reduce in a pass with nothing to decide, then one blocking and
+    # one async in a deciding pass: only the last two count as deciding
+    for in_flight, collectives in ((0, [True]), (3, [True, False]), (5, []), (0, [])):
         counts.pass_seen(in_flight)
-    counts.collective_seen()
+        for blocking in collectives:
+            counts.collective_seen(blocking)
     counts.write()
     got = mooncake_standins.read_counts(tmp_path)
-    assert got == {"0": {"passes": 4, "blocking": 1, "prefetch_passes": 2,
-                         "prefetches_voted": 8, "prefetch_max": 5}}  # fmt: skip
+    assert got == {"0": {"passes": 4, "blocking": 2, "prefetch_passes": 2,
+                         "prefetches_voted": 8, "prefetch_max": 5,
+                         "deciding_all_reduces": 2}}  # fmt: skip
     # SGLang's own outcome counters, where the release keeps them: the latest snapshot
     counts.outcomes_seen({"issued": 3, "declined_rate_limited": 1, "attempts": 9})
     counts.outcomes_seen({"issued": 7, "declined_rate_limited": 4, "attempts": 12})

@@ -1,9 +1,10 @@
 # Test support (test/monitoring_capture.py, the "inert" capture): put first on a
 # cpu-server's PYTHONPATH. Installs the cpu-server's stand-ins (what its own boot/
 # sitecustomize does), then drifts one method the version guard fingerprints
-# (UnifiedRadixCache.writing_check gets a no-op statement) the moment SGLang's
-# module is imported, in every server process: the guard then keeps the plugin
-# inert, as after an SGLang upgrade that changed that method, and the server runs
+# (UnifiedRadixCache.check_hicache_events, which both cache syncs hook, gets a
+# no-op statement) the moment SGLang's module is imported, in every server
+# process: the guard then keeps both inert, as after an SGLang upgrade that
+# changed that method, and the server runs
 # SGLang's own blocking path. Nothing of SGLang's is copied: drifted() rewrites the
 # installed method's own source at run time.
 import ast
@@ -16,7 +17,7 @@ from hicache_async_ack_lab.cpu_server.standins import install
 install()
 
 MODULE = "sglang.srt.mem_cache.unified_radix_cache"
-CLASS, METHOD = "UnifiedRadixCache", "writing_check"
+CLASS, METHOD = "UnifiedRadixCache", "check_hicache_events"
 
 
 def _noop_statement(node: ast.FunctionDef) -> None:
