@@ -13,6 +13,7 @@ import pytest
 
 from hicache_async_ack.env import ALLOW_UNTESTED_VAR, ENABLE_VAR, PLUGINS_VAR
 from hicache_async_ack.guard import installed_version
+from hicache_async_ack_lab.testing.drift import runs_here
 
 SYNC = "_sync_hicache_ready_counts"
 
@@ -139,14 +140,7 @@ def test_a_method_only_the_ack_sync_relies_on_stops_only_the_ack_sync(outputs):
     assert "HiCache ack sync (hicache-async-ack" in out and "UnifiedRadixCache.writing_check" in out
     features = next(line for line in out.splitlines() if line.startswith("FEATURES"))
     assert "ack_counts" not in features
-    assert ("prefetch_votes" in features) == _has_votes()
-
-
-def _has_votes() -> bool:
-    """Whether the installed SGLang has every method the votes hook (0.5.23 on)."""
-    from hicache_async_ack import guard
-
-    return guard.check_installed().feature("prefetch_votes").status == "tested"
+    assert ("prefetch_votes" in features) == ("prefetch_votes" in runs_here())
 
 
 def test_a_method_only_the_votes_rely_on_stops_only_the_votes(outputs):

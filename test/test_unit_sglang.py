@@ -8,6 +8,7 @@ from hicache_async_ack.core import PROTOCOL_VERSION, HiCacheAckSyncError, Stamp
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR
 from hicache_async_ack.features import ack_step, ack_sync, prefetch_votes
 from hicache_async_ack_lab.sim.collectives import FakeGroup
+from hicache_async_ack_lab.testing.drift import runs_here
 
 
 def DONE():
@@ -28,14 +29,7 @@ def stamp_slot(depth=1, digest=0):
 # setting (on by default, sent where this SGLang has the votes at all; these
 # caches have no prefetch policy, so no section), plus the storage bit where a
 # backend is attached.
-def _votes_setting() -> int:
-    from hicache_async_ack import guard
-
-    has_votes = guard.check_installed().feature("prefetch_votes").status == "tested"
-    return int(has_votes) << prefetch_votes.SETTING_FLAG
-
-
-VOTES_SETTING = _votes_setting()
+VOTES_SETTING = int("prefetch_votes" in runs_here()) << prefetch_votes.SETTING_FLAG
 STORAGE = 1 << ack_step.STORAGE_FLAG
 
 

@@ -27,6 +27,7 @@ from hicache_async_ack_lab.testing.drift import (
     extra_return_field,
     no_op_first,
     renamed_last_param,
+    runs_here,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -340,17 +341,10 @@ def test_version_range(version, inside):
 
 
 # ---------------------------------------------------- register() acts on it
-def runnable() -> set:
-    """The features the installed SGLang has every method of (0.5.20: no decode
-    offload; 0.5.20-0.5.22: no votes predicate)."""
-    verdict = upstream.check_installed()
-    return {f.feature for f in verdict.features() if f.status == "tested"}
-
-
 def test_tested_release_registers_and_logs_the_match(registered, caplog):
     hooks = registered()
-    assert hooks and registered.features == runnable()
-    assert set(registered.inert) == {"ack_counts", "prefetch_votes"} - runnable()
+    assert hooks and registered.features == runs_here()
+    assert set(registered.inert) == {"ack_counts", "prefetch_votes"} - runs_here()
     installed = upstream.installed_version()
     assert f"SGLang {installed} matches tested release {installed}" in caplog.text
 
@@ -362,7 +356,7 @@ def test_drifted_method_leaves_its_features_on_upstreams_path(
     sync's and the votes') returns one more field: neither registers a hook, a
     warning per feature names the method and the opt-in; the decode offload sync
     runs, and the path info marks the two off."""
-    live = runnable()
+    live = runs_here()
     monkeypatch.setattr(cache_cls, SYNC, drifted(getattr(cache_cls, SYNC)))
     registered()
     assert registered.features == live - {"ack_counts", "prefetch_votes"}
@@ -384,7 +378,7 @@ def test_a_method_only_one_feature_relies_on_stops_only_that_feature(
     register their hooks."""
     import importlib
 
-    live = runnable()
+    live = runs_here()
     if feature not in live:
         pytest.skip(f"{feature} does not run on this SGLang")
     target = next(t for t in TARGETS if t.features == (feature,))
@@ -404,7 +398,7 @@ def test_a_method_only_one_feature_relies_on_stops_only_that_feature(
 
 
 def test_allow_untested_registers_with_loud_warning(registered, caplog, monkeypatch, cache_cls):
-    live = runnable()
+    live = runs_here()
     monkeypatch.setattr(cache_cls, SYNC, drifted(getattr(cache_cls, SYNC)))
     registered(**{ALLOW_UNTESTED_VAR: "1"})
     assert registered.features == live
@@ -458,14 +452,14 @@ def test_doctor_shows_release_range_and_every_fingerprint(monkeypatch):
         absent = line.startswith("absent, as recorded for ") and installed in line
         assert line.startswith("same as ") or absent, (t.label, line)
         assert installed in lines[f"  {t.label}"]
-    for feature in runnable():
+    for feature in runs_here():
         line = lines[f"supported: {feature}"]
         assert line == f"yes: SGLang {installed} matches tested release {installed}"
     assert rep.blockers == []
 
 
 def test_doctor_says_which_feature_stands_down_and_why(monkeypatch, cache_cls):
-    live = runnable()
+    live = runs_here()
     monkeypatch.setattr(cache_cls, SYNC, drifted(getattr(cache_cls, SYNC)))
     rep = _doctor(monkeypatch)
     lines = dict(rep.lines)

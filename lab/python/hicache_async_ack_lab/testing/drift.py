@@ -98,3 +98,12 @@ def drift_method(cls: type, name: str, transform: Transform = extra_return_field
     before = cls.__dict__[name]
     setattr(cls, name, drifted(before, transform))
     return before
+
+
+def runs_here() -> set[str]:
+    """The features the installed SGLang has every method of, as recorded (0.5.20:
+    no decode offload; 0.5.20-0.5.22: no votes): what a test of another release
+    expects to be hooked or sent."""
+    from hicache_async_ack import guard
+
+    return {f.feature for f in guard.check_installed().features() if f.status == "tested"}
