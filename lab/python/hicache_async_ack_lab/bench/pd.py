@@ -130,6 +130,7 @@ def run_round(cfg: dict, order: list, rnd: int, workdir: Path, quiet: bool) -> l
             if i == 0:
                 pair.decode_env, pair.latency_ms = arm_of(arm), latency_ms
                 pair.start()
+                warm_prefill(cfg, pair, rnd, workdir)
             else:
                 pair.restart_decode(arm_of(arm), latency_ms, name)
             out.append(measure(cfg, pair, (arm, latency_ms), rnd, workdir, name))
@@ -147,15 +148,28 @@ def run_round(cfg: dict, order: list, rnd: int, workdir: Path, quiet: bool) -> l
     return out
 
 
-def measure(cfg: dict, pair, conf: tuple, rnd: int, workdir: Path, name: str) -> dict:
-    """``--runs`` bench_serving runs against the pair's router; the arm checked."""
+def client_argvs(cfg: dict, pair, workdir: Path, name: str) -> list[list[str]]:
     from hicache_async_ack_lab.cpu_server.model import ensure_model
 
-    arm, latency_ms = conf
     model = ensure_model()
-    argvs = [client_args(cfg, pair.router_port, model, workdir / f"bench-{name}-{r}.jsonl",
-                         cfg["seed"] + r) for r in range(cfg["runs"])]  # fmt: skip
-    results = run_client(pair, argvs, workdir, name)
+    return [client_args(cfg, pair.router_port, model, workdir / f"bench-{name}-{r}.jsonl",
+                        cfg["seed"] + r) for r in range(cfg["runs"])]  # fmt: skip
+
+
+def warm_prefill(cfg: dict, pair, rnd: int, workdir: Path) -> None:
+    """The round's requests once, unmeasured, on a fresh pair. The prefill lives for the
+    whole round and every visit sends it the same prompts: without this, the first visit
+    computes every prefill (~2,200 new tokens, competing with the decode ranks for the
+    2 cores) and the later ones hit its prefix cache (~30), a penalty that falls on
+    whichever arm comes first in the round."""
+    run_client(pair, client_argvs(cfg, pair, workdir, f"pd-warmup-r{rnd}"), workdir,
+               f"pd-warmup-r{rnd}")  # fmt: skip
+
+
+def measure(cfg: dict, pair, conf: tuple, rnd: int, workdir: Path, name: str) -> dict:
+    """``--runs`` bench_serving runs against the pair's router; the arm checked."""
+    arm, latency_ms = conf
+    results = run_client(pair, client_argvs(cfg, pair, workdir, name), workdir, name)
     ranks = pipelined_ranks(pair)
     check_arm(cfg, arm, ranks, pair.decode.log(), name)
     want = cfg["num_groups"] * cfg["prompts_per_group"] * cfg["output_len"]
