@@ -16,9 +16,12 @@ so sharing it within a round costs no fairness and saves a start per arm):
   ``--cpu-bound``; no collective to delay, so its one measurement stands for every
   latency).
 
-Figures per visit: bench_serving's output throughput (decode output tokens per second
-of the pair) and median inter-token latency, averaged over the runs; ratios paired by
-round with 95% intervals (stats.py). Claims: the plugin keeps >= 0.95 of its own 0 ms
+Before a round's first visit, its requests run once unmeasured (``warm_prefill``), so
+every visit finds the prefill's prefix cache alike. Figures per visit: bench_serving's
+output throughput (decode output tokens per second of the pair) and median
+inter-token latency, averaged over the runs, and the plugin's mean wait on the due
+reduce per decode-loop pass (the fresh decode's /metrics); ratios paired by round
+with 95% intervals (stats.py). Claims: the plugin keeps >= 0.95 of its own 0 ms
 at every injected latency; plugin / stock is printed with its interval, whatever it is.
 """
 
@@ -40,6 +43,7 @@ from hicache_async_ack_lab.bench.summary import render
 PD_ARMS = ("stock", "plugin", "bound")
 FIGURES = (("output_throughput", "out tok/s"), ("median_itl_ms", "ITL p50 ms"))
 GAUGE = "sglang:hicache_decode_offload_sync_pipelined"
+WAIT = "sglang:hicache_decode_offload_sync_wait_seconds"
 HEADLINE = 0.95  # plugin at latency / its own 0 ms
 CLIENT_TIMEOUT_S = 900.0
 
@@ -95,12 +99,21 @@ def arm_of(arm: str) -> dict:
     return arm_env(arm)
 
 
-def pipelined_ranks(pair) -> int:
+def decode_metrics(pair) -> tuple[int, float, float]:
+    """(ranks pipelined, mean per-step wait on the due reduce in ms, steps) from the
+    decode's /metrics: the wait says whether an injected latency reached the decode
+    loop (the decode server is fresh per visit, so the histogram is this visit's)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = pair.decode.get("/metrics").decode()
-    return int(sum(s.value for f in text_string_to_metric_families(text)
-                   for s in f.samples if s.name == GAUGE))  # fmt: skip
+    samples = [s for f in text_string_to_metric_families(pair.decode.get("/metrics").decode())
+               for s in f.samples]  # fmt: skip
+
+    def total(name: str) -> float:
+        return sum(s.value for s in samples if s.name == name)
+
+    steps = total(WAIT + "_count")
+    wait_ms = 1000.0 * total(WAIT + "_sum") / steps if steps else 0.0
+    return int(total(GAUGE)), wait_ms, steps
 
 
 def check_arm(cfg: dict, arm: str, ranks: int, log: str, name: str) -> None:
@@ -141,7 +154,8 @@ def run_round(cfg: dict, order: list, rnd: int, workdir: Path, quiet: bool) -> l
                 rec = out[-1]
                 print(f"[round {rnd + 1}] {name}: {rec['output_throughput'] or 0:.1f} out "
                       f"tok/s, ITL {rec['median_itl_ms'] or 0:.2f} ms, load "
-                      f"{load_start[0]:.1f} -> {rec['loadavg_end'][0]:.1f}",
+                      f"{load_start[0]:.1f} -> {rec['loadavg_end'][0]:.1f}, wait on the due "
+                      f"reduce {rec['offload_wait_ms']:.3f} ms/step",
                       file=sys.stderr, flush=True)  # fmt: skip
     finally:
         pair.stop()
@@ -170,7 +184,7 @@ def measure(cfg: dict, pair, conf: tuple, rnd: int, workdir: Path, name: str) ->
     """``--runs`` bench_serving runs against the pair's router; the arm checked."""
     arm, latency_ms = conf
     results = run_client(pair, client_argvs(cfg, pair, workdir, name), workdir, name)
-    ranks = pipelined_ranks(pair)
+    ranks, wait_ms, steps = decode_metrics(pair)
     check_arm(cfg, arm, ranks, pair.decode.log(), name)
     want = cfg["num_groups"] * cfg["prompts_per_group"] * cfg["output_len"]
     for res in results:
@@ -182,7 +196,8 @@ def measure(cfg: dict, pair, conf: tuple, rnd: int, workdir: Path, name: str) ->
             for res in results]  # fmt: skip
     rec = {"arm": arm, "latency_ms": latency_ms, "lanes": None, "round": rnd,
            "startup_s": pair.startup_s, "loadavg_end": os.getloadavg(),
-           "pipelined_ranks": ranks, "runs": runs}  # fmt: skip
+           "pipelined_ranks": ranks, "offload_wait_ms": wait_ms, "offload_steps": steps,
+           "runs": runs}  # fmt: skip
     for key, _ in FIGURES:
         vals = [float(x) for x in (r.get(key) for r in runs) if x]
         rec[key] = sum(vals) / len(vals) if vals else None
@@ -236,7 +251,8 @@ def ratios(cfg: dict, visits: list[dict]) -> list[dict]:
 
 def arm_table(visits: list[dict]) -> str:
     rows: list[tuple[str, ...]] = [("arm", "injected", "rounds", "out tok/s median", "range",
-                                    "ITL p50 ms median", "range", "start-up s")]  # fmt: skip
+                                    "ITL p50 ms median", "range", "wait/step ms",
+                                    "start-up s")]  # fmt: skip
     confs = sorted({(v["arm"], v["latency_ms"]) for v in visits},
                    key=lambda c: (c[1], PD_ARMS.index(c[0])))  # fmt: skip
     for arm, lat in confs:
@@ -247,7 +263,9 @@ def arm_table(visits: list[dict]) -> str:
             cells += [f"{statistics.median(vals):.2f}" if vals else "-",
                       f"{min(vals):.2f}-{max(vals):.2f}" if vals else "-"]  # fmt: skip
         ups = [v["startup_s"] for v in vs if v.get("startup_s")]
+        waits = [v["offload_wait_ms"] for v in vs if v.get("offload_steps")]
         rows.append((arm, "-" if arm == "bound" else f"{lat:g} ms", str(len(vs)), *cells,
+                     f"{statistics.median(waits):.3f}" if waits else "-",
                      f"{statistics.median(ups):.0f}" if ups else "-"))  # fmt: skip
     return render(rows)
 
