@@ -89,7 +89,7 @@ def test_the_round_warms_its_prefill_once_before_the_first_measured_visit(
         "restart pd-plugin-3.2ms-r0", "client pd-plugin-3.2ms-r0", "stop",
     ]  # fmt: skip
     assert [v["arm"] for v in visits] == ["plugin", "plugin"]
-    # Each visit's figures are its measured runs' only: the warm-up's never enter.
+    # One record per measured visit; the warm-up leaves none.
     assert [v["latency_ms"] for v in visits] == [0.0, 3.2]
 
 

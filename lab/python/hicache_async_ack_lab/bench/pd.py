@@ -99,7 +99,7 @@ def arm_of(arm: str) -> dict:
     return arm_env(arm)
 
 
-def decode_metrics(pair) -> tuple[int, float, float]:
+def decode_metrics(pair) -> tuple[int, float, int]:
     """(ranks pipelined, mean per-step wait on the due reduce in ms, steps) from the
     decode's /metrics: the wait says whether an injected latency reached the decode
     loop (the decode server is fresh per visit, so the histogram is this visit's)."""
@@ -111,7 +111,7 @@ def decode_metrics(pair) -> tuple[int, float, float]:
     def total(name: str) -> float:
         return sum(s.value for s in samples if s.name == name)
 
-    steps = total(WAIT + "_count")
+    steps = int(total(WAIT + "_count"))
     wait_ms = 1000.0 * total(WAIT + "_sum") / steps if steps else 0.0
     return int(total(GAUGE)), wait_ms, steps
 
@@ -176,8 +176,8 @@ def warm_prefill(cfg: dict, pair, rnd: int, workdir: Path) -> None:
     computes every prefill (~2,200 new tokens, competing with the decode ranks for the
     2 cores) and the later ones hit its prefix cache (~30), a penalty that falls on
     whichever arm comes first in the round."""
-    run_client(pair, client_argvs(cfg, pair, workdir, f"pd-warmup-r{rnd}"), workdir,
-               f"pd-warmup-r{rnd}")  # fmt: skip
+    name = f"pd-warmup-r{rnd}"
+    run_client(pair, client_argvs(cfg, pair, workdir, name), workdir, name)
 
 
 def measure(cfg: dict, pair, conf: tuple, rnd: int, workdir: Path, name: str) -> dict:
