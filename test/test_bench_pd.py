@@ -1,28 +1,29 @@
-"""``bench-server --workload pd`` without a server: the round's prefill warm-up and the
-decode's wait figure, on a stand-in pair (the real pair runs in test_e2e_pd.py and
-the bench itself)."""
+"""``bench-server --workload pd`` without a server: a round's visits (the prefill
+warm-up, one decode server per arm serving every latency, the latency switched
+between runs), its figures and checks, on a stand-in pair (the real pair runs in
+test_e2e_pd.py and the bench itself)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from hicache_async_ack.env import ENABLE_VAR
+from hicache_async_ack.tools.options import ToolError
 from hicache_async_ack_lab.bench import pd
 from hicache_async_ack_lab.bench.arms import config_of
 from hicache_async_ack_lab.cli import build_parser
 from hicache_async_ack_lab.cpu_server import pd as cpu_pd
+from hicache_async_ack_lab.cpu_server.pd_standins import PASS_TIMES_DIR_VAR, write_rank_file
+from hicache_async_ack_lab.cpu_server.settings import CPU_REDUCE_LATENCY_FILE_VAR
 
 TP = 2
 
 
-def metrics_text(waits_s: list[float], steps: list[int], pipelined: bool) -> str:
-    name = pd.WAIT
-    lines = [f"# TYPE {name} histogram"]
-    for rank, (w, n) in enumerate(zip(waits_s, steps)):
-        lines += [f'{name}_bucket{{tp_rank="{rank}",le="+Inf"}} {n}',
-                  f'{name}_count{{tp_rank="{rank}"}} {n}',
-                  f'{name}_sum{{tp_rank="{rank}"}} {w}']  # fmt: skip
-    lines.append(f"# TYPE {pd.GAUGE} gauge")
-    lines += [f'{pd.GAUGE}{{tp_rank="{r}"}} {int(pipelined)}' for r in range(len(steps))]
+def metrics_text(pipelined: bool) -> str:
+    lines = [f"# TYPE {pd.GAUGE} gauge"]
+    lines += [f'{pd.GAUGE}{{tp_rank="{r}"}} {int(pipelined)}' for r in range(TP)]
     return "\n".join(lines) + "\n"
 
 
@@ -45,13 +46,16 @@ class FakePair:
 
     def __init__(self, args, workdir, decode_tp, start_timeout_s):
         self.workdir, self.router_port, self.startup_s = workdir, 1, 1.0
-        self.decode_env, self.latency_ms = None, 0.0
-        self.decode = FakeDecode(metrics_text([0.003, 0.003], [10, 10], True))
+        self.decode_env: dict = {}
+        self.decode = FakeDecode(metrics_text(True))
 
     def start(self):
+        self.decode = FakeDecode(metrics_text(self.decode_env.get(ENABLE_VAR) == "1"))
         self.events.append("start")
 
     def restart_decode(self, env, latency_ms, name):
+        self.decode_env = env
+        self.decode = FakeDecode(metrics_text(env.get(ENABLE_VAR) == "1"))
         self.events.append(f"restart {name}")
 
     def stop(self):
@@ -61,55 +65,146 @@ class FakePair:
 @pytest.fixture
 def cfg():
     args = build_parser().parse_args(
-        ["bench-server", "--workload", "pd", "--tp", str(TP), "--arms", "plugin",
-         "--latency-ms", "0,3.2", "--rounds", "1", "--runs", "2"]
+        ["bench-server", "--workload", "pd", "--tp", str(TP), "--arms", "stock,plugin",
+         "--latency-ms", "0,3.2", "--rounds", "2", "--runs", "2"]
     )  # fmt: skip
     return config_of(args)
 
 
-def test_the_round_warms_its_prefill_once_before_the_first_measured_visit(
-    cfg, monkeypatch, tmp_path
-):
+def test_each_arm_gets_one_decode_server_per_round_serving_every_latency(cfg):
+    order = pd.visit_order(cfg)
+    assert order == [[("stock", (0.0, 3.2)), ("plugin", (0.0, 3.2))],
+                     [("plugin", (0.0, 3.2)), ("stock", (0.0, 3.2))]]  # fmt: skip
+    cfg["arms"] = ["bound", "plugin"]
+    assert pd.visit_order(cfg)[0] == [("plugin", (0.0, 3.2)), ("bound", (0.0,))]
+
+
+def test_runs_alternate_the_latencies_in_mirrored_blocks_each_block_one_seed():
+    assert pd.run_sequence((0.0, 3.2), 2) == [(0.0, 0), (3.2, 0), (3.2, 1), (0.0, 1)]
+    seq = pd.run_sequence((0.0, 3.2), 4)
+    for lat in (0.0, 3.2):  # every latency: the same blocks, the same mean position
+        assert [b for x, b in seq if x == lat] == [0, 1, 2, 3]
+    positions = {lat: sum(i for i, (x, _) in enumerate(seq) if x == lat) for lat in (0.0, 3.2)}
+    assert positions[0.0] == positions[3.2]
+    assert pd.run_sequence((0.0,), 3) == [(0.0, 0), (0.0, 1), (0.0, 2)]
+
+
+class Ranks:
+    """The decode ranks' pass-times files, as the device writes them."""
+
+    def __init__(self, running_by_latency: dict[str, int]):
+        self.running = running_by_latency
+
+    def write(self, env: dict) -> None:
+        root = __import__("pathlib").Path(env[PASS_TIMES_DIR_VAR])
+        for rank in range(TP):
+            values = {lat: {"running": [n, n * 0.004, 0.01, n * 0.001],
+                            "idle": [10, 0.001, 0.0001, 0.0]}
+                      for lat, n in self.running.items()}  # fmt: skip
+            write_rank_file(root, "passes", rank, values)
+
+
+def fake_round(cfg, monkeypatch, ranks: Ranks):
     FakePair.events = []
     monkeypatch.setattr(cpu_pd, "PDPair", FakePair)
-    monkeypatch.setattr(pd, "arm_of", lambda arm: {})
-    monkeypatch.setattr(pd, "client_argvs", lambda cfg, pair, workdir, name: [[name]] * 2)
+    monkeypatch.setattr(pd, "PASS_TIMES_SETTLE_S", 0.0)
     want = cfg["num_groups"] * cfg["prompts_per_group"] * cfg["output_len"]
+    calls: list[dict] = []
 
-    def run_client(pair, argvs, workdir, name):
+    def run_client(pair, argvs, workdir, name, latencies=None, latency_file=None):
+        seeds = [a[a.index("--seed") + 1] for a in argvs]
+        calls.append({"name": name, "latencies": latencies, "file": latency_file,
+                      "seeds": seeds, "env": dict(pair.decode_env)})  # fmt: skip
         FakePair.events.append(f"client {name}")
+        if latencies is not None:
+            ranks.write(pair.decode_env)
+        # ITL: 30 ms, plus the latency, plus a drift of 1 ms per run
         return [{"total_output_tokens": want, "output_throughput": 100.0,
-                 "median_itl_ms": 30.0}] * len(argvs)  # fmt: skip
+                 "median_itl_ms": 30.0 + (lat or 0.0) + i}
+                for i, lat in enumerate(latencies or [0.0] * len(argvs))]  # fmt: skip
 
     monkeypatch.setattr(pd, "run_client", run_client)
-    order = [("plugin", 0.0, None), ("plugin", 3.2, None)]
-    visits = pd.run_round(cfg, order, 0, tmp_path, quiet=True)
+    return calls
+
+
+def test_a_round_warms_the_prefill_then_measures_each_arm_at_every_latency(
+    cfg, monkeypatch, tmp_path
+):
+    calls = fake_round(cfg, monkeypatch, Ranks({"0": 40, "3.2": 38}))
+    visits = pd.run_round(cfg, pd.visit_order(cfg)[0], 0, tmp_path, quiet=True)
     assert FakePair.events == [
-        "start", "client pd-warmup-r0", "client pd-plugin-0ms-r0",
-        "restart pd-plugin-3.2ms-r0", "client pd-plugin-3.2ms-r0", "stop",
+        "start", "client pd-warmup-r0", "client pd-stock-r0",
+        "restart pd-plugin-r0", "client pd-plugin-r0", "stop",
     ]  # fmt: skip
-    assert [v["arm"] for v in visits] == ["plugin", "plugin"]
-    # One record per measured visit; the warm-up leaves none.
-    assert [v["latency_ms"] for v in visits] == [0.0, 3.2]
+    warm, stock, plugin = calls
+    s0, s1 = str(cfg["seed"]), str(cfg["seed"] + 1)
+    assert warm["latencies"] is None and warm["seeds"] == [s0, s1]  # every measured prompt
+    for visit in (stock, plugin):
+        assert visit["latencies"] == [0.0, 3.2, 3.2, 0.0]
+        assert visit["env"][CPU_REDUCE_LATENCY_FILE_VAR] == str(visit["file"])
+        assert visit["seeds"] == [s0, s0, s1, s1]  # each latency: the same prompts
+    assert [(v["arm"], v["latency_ms"]) for v in visits] == [
+        ("stock", 0.0), ("stock", 3.2), ("plugin", 0.0), ("plugin", 3.2)]  # fmt: skip
+    assert {v["visit"] for v in visits} == {"pd-stock-r0", "pd-plugin-r0"}
+    for v in visits:
+        assert len(v["runs"]) == cfg["runs"]
+        assert v["check_ms_running"] == pytest.approx(4.0)
+        assert v["sync_ms_running"] == pytest.approx(3.0)
+        assert v["pops_ms_running"] == pytest.approx(1.0)
+    itl = {(v["arm"], v["latency_ms"]): v["median_itl_ms"] for v in visits}
+    # each latency's runs averaged; the mirrored blocks cancel the drift
+    assert itl[("plugin", 0.0)] == pytest.approx((30.0 + 33.0) / 2)
+    assert itl[("plugin", 3.2)] - itl[("plugin", 0.0)] == pytest.approx(3.2)
+    saved = [json.loads(x) for x in (tmp_path / "visits.jsonl").read_text().splitlines()]
+    assert [(v["arm"], v["latency_ms"]) for v in saved] == [(v["arm"], v["latency_ms"])
+                                                           for v in visits]  # fmt: skip
 
 
-def test_the_wait_per_step_is_the_ranks_sum_over_their_steps():
-    pair = FakePair(None, None, TP, 0)
-    pair.decode = FakeDecode(metrics_text([0.010, 0.030], [10, 30], True))
-    ranks, wait_ms, steps = pd.decode_metrics(pair)
-    assert (ranks, steps) == (TP, 40)
-    assert wait_ms == pytest.approx(1.0)  # 40 ms over 40 steps
+def test_a_latency_whose_runs_found_no_running_pass_at_it_is_refused(cfg, monkeypatch, tmp_path):
+    fake_round(cfg, monkeypatch, Ranks({"0": 40}))  # the file never reached the ranks
+    with pytest.raises(ToolError, match="no decode pass with a running batch at 3.2 ms"):
+        pd.run_round(cfg, pd.visit_order(cfg)[0], 0, tmp_path, quiet=True)
+    assert FakePair.events[-1] == "stop"
 
 
-def test_stock_has_no_wait_figure_and_the_table_says_so():
-    pair = FakePair(None, None, TP, 0)
-    pair.decode = FakeDecode("")
-    assert pd.decode_metrics(pair) == (0, 0.0, 0)
+def test_the_bound_gets_no_latency_file(cfg, monkeypatch, tmp_path):
+    calls = fake_round(cfg, monkeypatch, Ranks({"0": 40}))
+    monkeypatch.setattr(pd, "check_arm", lambda *a: None)
+    visits = pd.run_round(cfg, [("bound", (0.0,))], 0, tmp_path, quiet=True)
+    assert CPU_REDUCE_LATENCY_FILE_VAR not in calls[-1]["env"] and calls[-1]["file"] is None
+    assert [(v["arm"], v["latency_ms"]) for v in visits] == [("bound", 0.0)]
+
+
+def test_pass_figures_are_every_ranks_time_over_every_ranks_passes():
+    times = {
+        "0": {"3.2": {"running": [10, 0.010, 0.002, 0.004], "idle": [5, 0.016, 0.004, 0]}},
+        "1": {"3.2": {"running": [30, 0.030, 0.002, 0.0], "idle": [3, 0.0, 0.0, 0.0]}},
+    }
+    got = pd.pass_figures(times, 3.2)
+    assert got["passes_running"] == 40 and got["check_ms_running"] == pytest.approx(1.0)
+    assert got["pops_ms_running"] == pytest.approx(0.1)
+    assert got["sync_ms_running"] == pytest.approx(0.9)
+    assert got["passes_idle"] == 8 and got["check_ms_idle"] == pytest.approx(2.0)
+    empty = pd.pass_figures(times, 0.0)
+    assert empty["passes_running"] == 0 and empty["sync_ms_running"] == 0.0
+
+
+def test_the_table_shows_sync_times_and_a_dash_for_visits_without_them():
     base = {"round": 0, "startup_s": 1.0, "output_throughput": 1.0, "median_itl_ms": 1.0}
-    table = pd.arm_table([base | {"arm": "stock", "latency_ms": 0.0, "offload_steps": 0},
-                          base | {"arm": "plugin", "latency_ms": 0.0, "offload_steps": 5,
-                                  "offload_wait_ms": 0.25}])  # fmt: skip
-    rows = {line.split()[0]: line for line in table.splitlines()[2:]}
+    table = pd.arm_table([base | {"arm": "stock", "latency_ms": 0.0},
+                          base | {"arm": "plugin", "latency_ms": 0.0, "passes_running": 5,
+                                  "sync_ms_running": 0.25, "passes_idle": 2,
+                                  "sync_ms_idle": 1.5, "pops_ms_running": 2.0}])  # fmt: skip
+    rows = {line.split()[0]: line.split() for line in table.splitlines()[2:]}
     assert set(rows) == {"stock", "plugin"}
-    assert "0.250" in rows["plugin"] and "0.250" not in rows["stock"]
-    assert rows["stock"].split()[-2] == "-"  # the wait column, before start-up
+    assert rows["plugin"][-4:-1] == ["0.250", "1.500", "2.000"]
+    assert rows["stock"][-4:-1] == ["-", "-", "-"]  # the check columns, before start-up
+
+
+def test_the_plugin_arm_must_show_every_rank_pipelined(cfg):
+    pair = FakePair(None, None, TP, 0)
+    assert pd.pipelined_ranks(pair) == TP
+    pair.decode = FakeDecode(metrics_text(False))
+    assert pd.pipelined_ranks(pair) == 0
+    with pytest.raises(ToolError, match="0 decode ranks pipelined, expected 2"):
+        pd.check_arm(cfg, "plugin", 0, "", "pd-plugin-r0")

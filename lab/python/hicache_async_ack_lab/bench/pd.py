@@ -4,25 +4,33 @@ Each round starts a fresh cpu-server PD pair (cpu_server/pd.py: prefill TP 1, de
 TP ``--tp`` with KV offload to a file store, SGLang's PD router, Mooncake TCP, a private
 network namespace); each arm of the round gets a fresh decode server (and router)
 beside that prefill, and is driven through the router with bench_serving's
-generated-shared-prefix workload, run ``--runs`` times in one interpreter inside the
-namespace. The arms differ on the decode side only (the prefill is the same for all,
-so sharing it within a round costs no fairness and saves a start per arm):
+generated-shared-prefix workload in one interpreter inside the namespace. The arms
+differ on the decode side only (the prefill is the same for all, so sharing it within
+a round costs no fairness and saves a start per arm):
 
 - ``stock``: SGLang's blocking MIN all_reduce in ``check_offload_progress`` every
-  decode step (with ``--latency-ms``, it sleeps that long first);
+  decode step (with an injected latency, it sleeps that long first);
 - ``plugin``: the plugin pipelining it (its async reduce completes no earlier than the
   injected latency after issue);
 - ``bound``: that reduce answered with each rank's own queue sizes (cpu-server's
   ``--cpu-bound``; no collective to delay, so its one measurement stands for every
   latency).
 
+Stock's and the plugin's decode servers serve every ``--latency-ms`` in one process:
+``--runs`` blocks of one run per latency, every other block reversed (0, 3.2, 3.2, 0,
+...), the latency switched between runs through a latency file
+(``HICACHE_ASYNC_ACK_CPU_REDUCE_LATENCY_FILE``). A latency's ratio to its own 0 ms is
+then paired within one server, free of what differs from one start to the next.
+
 Before a round's first visit, its requests run once unmeasured (``warm_prefill``), so
-every visit finds the prefill's prefix cache alike. Figures per visit: bench_serving's
-output throughput (decode output tokens per second of the pair) and median
-inter-token latency, averaged over the runs, and the plugin's mean wait on the due
-reduce per decode-loop pass (the fresh decode's /metrics); ratios paired by round
-with 95% intervals (stats.py). Claims: the plugin keeps >= 0.95 of its own 0 ms
-at every injected latency; plugin / stock is printed with its interval, whatever it is.
+every visit finds the prefill's prefix cache alike. Figures per arm and latency:
+bench_serving's output throughput (decode output tokens per second of the pair) and
+median inter-token latency, averaged over the runs, and the mean time
+``check_offload_progress`` took per decode-loop pass (pd_standins.PassTimes), for
+passes that began with a running batch (they launch a decode forward: this time is on
+the inter-token latency's path) and for the rest; ratios paired by round with 95%
+intervals (stats.py). Claims: the plugin keeps >= 0.95 of its own 0 ms at every
+injected latency; plugin / stock is printed with its interval, whatever it is.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from hicache_async_ack.tools.options import ToolError
 from hicache_async_ack_lab.bench.stats import Claim, paired_ratio, verdict
@@ -43,7 +51,6 @@ from hicache_async_ack_lab.bench.summary import render
 PD_ARMS = ("stock", "plugin", "bound")
 FIGURES = (("output_throughput", "out tok/s"), ("median_itl_ms", "ITL p50 ms"))
 GAUGE = "sglang:hicache_decode_offload_sync_pipelined"
-WAIT = "sglang:hicache_decode_offload_sync_wait_seconds"
 HEADLINE = 0.95  # plugin at latency / its own 0 ms
 CLIENT_TIMEOUT_S = 900.0
 
@@ -68,10 +75,17 @@ def client_args(cfg: dict, port: int, model: Path, out: Path, seed: int) -> list
     return args
 
 
-def run_client(pair, argvs: list[list[str]], workdir: Path, name: str) -> list[dict]:
-    """bench_serving once per argv, in one interpreter born in the pair's namespace."""
+def run_client(pair, argvs: list[list[str]], workdir: Path, name: str,
+               latencies: Optional[list[float]] = None,
+               latency_file: Optional[Path] = None) -> list[dict]:  # fmt: skip
+    """bench_serving once per argv, in one interpreter born in the pair's namespace;
+    with ``latency_file``, run i starts once the file says ``latencies[i]``."""
     spec, log = workdir / f"client-{name}.json", workdir / f"bench-{name}.log"
-    spec.write_text(json.dumps(argvs))
+    lats: list[Optional[float]] = list(latencies) if latencies else [None] * len(argvs)
+    spec.write_text(json.dumps({
+        "latency_file": str(latency_file) if latency_file else None,
+        "runs": [{"argv": a, "latency_ms": lat} for a, lat in zip(argvs, lats)],
+    }))  # fmt: skip
     cmd = [sys.executable, "-m", "hicache_async_ack_lab.bench.pd", str(spec)]
     with open(log, "ab") as f:
         proc = pair.ns.call(
@@ -99,21 +113,12 @@ def arm_of(arm: str) -> dict:
     return arm_env(arm)
 
 
-def decode_metrics(pair) -> tuple[int, float, int]:
-    """(ranks pipelined, mean per-step wait on the due reduce in ms, steps) from the
-    decode's /metrics: the wait says whether an injected latency reached the decode
-    loop (the decode server is fresh per visit, so the histogram is this visit's)."""
+def pipelined_ranks(pair) -> int:
+    """How many decode ranks the plugin's gauge says pipeline (the decode's /metrics)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    samples = [s for f in text_string_to_metric_families(pair.decode.get("/metrics").decode())
-               for s in f.samples]  # fmt: skip
-
-    def total(name: str) -> float:
-        return sum(s.value for s in samples if s.name == name)
-
-    steps = int(total(WAIT + "_count"))
-    wait_ms = 1000.0 * total(WAIT + "_sum") / steps if steps else 0.0
-    return int(total(GAUGE)), wait_ms, steps
+    return int(sum(s.value for f in text_string_to_metric_families(
+        pair.decode.get("/metrics").decode()) for s in f.samples if s.name == GAUGE))  # fmt: skip
 
 
 def check_arm(cfg: dict, arm: str, ranks: int, log: str, name: str) -> None:
@@ -126,9 +131,33 @@ def check_arm(cfg: dict, arm: str, ranks: int, log: str, name: str) -> None:
         raise ToolError(f"{name}: the bound's mark {'missing' if arm == 'bound' else 'on'}")
 
 
+def visit_order(cfg: dict) -> list[list[tuple[str, tuple[float, ...]]]]:
+    """Per round, one decode server per arm, forward in even rounds and backward in odd
+    ones (stats.round_order). Stock and the plugin serve every latency in theirs; the
+    bound 0 ms only (it has no collective to delay)."""
+    from hicache_async_ack_lab.bench.stats import round_order
+
+    visits = [(arm, (0.0,) if arm == "bound" else tuple(cfg["latencies_ms"]))
+              for arm in PD_ARMS if arm in cfg["arms"]]  # fmt: skip
+    return round_order(visits, cfg["rounds"])
+
+
+def run_sequence(latencies: Sequence[float], runs: int) -> list[tuple[float, int]]:
+    """(latency, block) of each run of a visit: ``runs`` blocks with every latency once,
+    every other block reversed (0, 3.2, 3.2, 0, ...), so a drift linear in time over
+    an even number of blocks adds the same to every latency. Block b runs seed + b for
+    every latency: each latency gets the same prompts."""
+    out = []
+    for block in range(runs):
+        order = list(latencies) if block % 2 == 0 else list(latencies)[::-1]
+        out += [(lat, block) for lat in order]
+    return out
+
+
 def run_round(cfg: dict, order: list, rnd: int, workdir: Path, quiet: bool) -> list[dict]:
     """One round: a fresh pair (prefill and the first arm's decode), then a fresh decode
-    server (and router) beside the same prefill for every further arm."""
+    server (and router) beside the same prefill for every further arm; each decode
+    serves every latency of its arm, switched between runs through a latency file."""
     from hicache_async_ack_lab.cpu_server.pd import PDPair
 
     out: list[dict] = []
@@ -137,37 +166,68 @@ def run_round(cfg: dict, order: list, rnd: int, workdir: Path, quiet: bool) -> l
         decode_tp=cfg["tp"], start_timeout_s=cfg["start_timeout_s"],
     )  # fmt: skip
     try:
-        for i, (arm, latency_ms, _) in enumerate(order):
-            name = f"pd-{arm}-{latency_ms:g}ms-r{rnd}"
+        for i, (arm, lats) in enumerate(order):
+            name = f"pd-{arm}-r{rnd}"
+            visit = Visit(arm, tuple(lats), pair.workdir / name)
             load_start, t0 = os.getloadavg(), time.monotonic()
             if i == 0:
-                pair.decode_env, pair.latency_ms = arm_of(arm), latency_ms
+                pair.decode_env = visit.env()
                 pair.start()
                 warm_prefill(cfg, pair, rnd, workdir)
             else:
-                pair.restart_decode(arm_of(arm), latency_ms, name)
-            out.append(measure(cfg, pair, (arm, latency_ms), rnd, workdir, name))
-            out[-1] |= {"loadavg_start": load_start, "wall_s": time.monotonic() - t0}
+                pair.restart_decode(visit.env(), 0.0, name)
+            recs = measure(cfg, pair, visit, rnd, workdir, name)
+            wall = time.monotonic() - t0
+            for rec in recs:
+                rec |= {"loadavg_start": load_start, "wall_s": wall / len(recs)}
+            out += recs
             with open(workdir / "visits.jsonl", "a") as f:  # survives a failed later visit
-                f.write(json.dumps(out[-1]) + "\n")
+                f.writelines(json.dumps(rec) + "\n" for rec in recs)
             if not quiet:
-                rec = out[-1]
-                print(f"[round {rnd + 1}] {name}: {rec['output_throughput'] or 0:.1f} out "
-                      f"tok/s, ITL {rec['median_itl_ms'] or 0:.2f} ms, load "
-                      f"{load_start[0]:.1f} -> {rec['loadavg_end'][0]:.1f}, wait on the due "
-                      f"reduce {rec['offload_wait_ms']:.3f} ms/step",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                for rec in recs:
+                    print(f"[round {rnd + 1}] {name} at {rec['latency_ms']:g} ms: "
+                          f"{rec['output_throughput'] or 0:.1f} out tok/s, ITL "
+                          f"{rec['median_itl_ms'] or 0:.2f} ms, sync "
+                          f"{rec['sync_ms_running']:.3f} ms per pass with a running batch, "
+                          f"load {load_start[0]:.1f} -> {rec['loadavg_end'][0]:.1f}",
+                          file=sys.stderr, flush=True)  # fmt: skip
     finally:
         pair.stop()
     return out
 
 
-def client_argvs(cfg: dict, pair, workdir: Path, name: str) -> list[list[str]]:
+class Visit:
+    """One arm's decode server in a round: its latencies, the file that switches them,
+    and where its ranks write their check times (pd_standins.PassTimes)."""
+
+    def __init__(self, arm: str, latencies: tuple[float, ...], root: Path):
+        self.arm, self.latencies = arm, latencies
+        self.times_dir = root / "passes"
+        # the bound refuses an injected latency, even a file saying 0
+        self.latency_file = None if arm == "bound" else root / "latency_ms"
+
+    def env(self) -> dict[str, str]:
+        from hicache_async_ack_lab.cpu_server.pd_standins import PASS_TIMES_DIR_VAR
+        from hicache_async_ack_lab.cpu_server.settings import (
+            CPU_REDUCE_LATENCY_FILE_VAR,
+            write_latency_file,
+        )
+
+        env = arm_of(self.arm) | {PASS_TIMES_DIR_VAR: str(self.times_dir)}
+        if self.latency_file is not None:
+            self.latency_file.parent.mkdir(parents=True, exist_ok=True)
+            write_latency_file(self.latency_file, self.latencies[0])
+            env[CPU_REDUCE_LATENCY_FILE_VAR] = str(self.latency_file)
+        return env
+
+
+def client_argvs(cfg: dict, pair, workdir: Path, name: str,
+                 blocks: Sequence[int]) -> list[list[str]]:  # fmt: skip
     from hicache_async_ack_lab.cpu_server.model import ensure_model
 
     model = ensure_model()
-    return [client_args(cfg, pair.router_port, model, workdir / f"bench-{name}-{r}.jsonl",
-                        cfg["seed"] + r) for r in range(cfg["runs"])]  # fmt: skip
+    return [client_args(cfg, pair.router_port, model, workdir / f"bench-{name}-{i}.jsonl",
+                        cfg["seed"] + b) for i, b in enumerate(blocks)]  # fmt: skip
 
 
 def warm_prefill(cfg: dict, pair, rnd: int, workdir: Path) -> None:
@@ -177,31 +237,68 @@ def warm_prefill(cfg: dict, pair, rnd: int, workdir: Path) -> None:
     2 cores) and the later ones hit its prefix cache (~30), a penalty that falls on
     whichever arm comes first in the round."""
     name = f"pd-warmup-r{rnd}"
-    run_client(pair, client_argvs(cfg, pair, workdir, name), workdir, name)
+    run_client(pair, client_argvs(cfg, pair, workdir, name, range(cfg["runs"])), workdir, name)
 
 
-def measure(cfg: dict, pair, conf: tuple, rnd: int, workdir: Path, name: str) -> dict:
-    """``--runs`` bench_serving runs against the pair's router; the arm checked."""
-    arm, latency_ms = conf
-    results = run_client(pair, client_argvs(cfg, pair, workdir, name), workdir, name)
-    ranks, wait_ms, steps = decode_metrics(pair)
+PASS_TIMES_SETTLE_S = 1.5  # > PassTimes.WRITE_EVERY_S: the files hold the last run
+
+
+def pass_figures(times: dict, latency_ms: float) -> dict:
+    """Per pass kind, at one latency, over every rank's passes: how many, and the mean
+    ms per pass of the whole check, of the sync alone (the check less upstream's pops)
+    and of the pops."""
+    from hicache_async_ack_lab.cpu_server.pd_standins import PASS_KINDS
+
+    key, out = f"{latency_ms:g}", {}
+    for kind in PASS_KINDS:
+        cells = [rank[key][kind] for rank in times.values() if key in rank]
+        n = sum(c[0] for c in cells)
+        check, pops = sum(c[1] for c in cells), sum(c[3] for c in cells)
+        out[f"passes_{kind}"] = n
+        for name, total in (("check", check), ("sync", check - pops), ("pops", pops)):
+            out[f"{name}_ms_{kind}"] = 1000.0 * total / n if n else 0.0
+    return out
+
+
+def measure(cfg: dict, pair, visit: Visit, rnd: int, workdir: Path, name: str) -> list[dict]:
+    """``--runs`` blocks of bench_serving runs against the pair's router, the latency
+    switched between runs (run_sequence); the arm checked; one record per latency."""
+    from hicache_async_ack_lab.cpu_server.pd_standins import read_pass_times
+
+    seq = run_sequence(visit.latencies, cfg["runs"])
+    argvs = client_argvs(cfg, pair, workdir, name, [b for _, b in seq])
+    results = run_client(pair, argvs, workdir, name, [lat for lat, _ in seq],
+                         visit.latency_file)  # fmt: skip
+    arm, ranks = visit.arm, pipelined_ranks(pair)
     check_arm(cfg, arm, ranks, pair.decode.log(), name)
     want = cfg["num_groups"] * cfg["prompts_per_group"] * cfg["output_len"]
     for res in results:
         if (res.get("total_output_tokens") or 0) < want:
             raise ToolError(f"{name}: {res.get('total_output_tokens')} output tokens of "
                             f"{want}; see {pair.workdir}")  # fmt: skip
-    runs = [{k: res.get(k) for k, _ in FIGURES} | {"completed": res.get("completed"),
-             "duration": res.get("duration"), "median_ttft_ms": res.get("median_ttft_ms")}
-            for res in results]  # fmt: skip
-    rec = {"arm": arm, "latency_ms": latency_ms, "lanes": None, "round": rnd,
-           "startup_s": pair.startup_s, "loadavg_end": os.getloadavg(),
-           "pipelined_ranks": ranks, "offload_wait_ms": wait_ms, "offload_steps": steps,
-           "runs": runs}  # fmt: skip
-    for key, _ in FIGURES:
-        vals = [float(x) for x in (r.get(key) for r in runs) if x]
-        rec[key] = sum(vals) / len(vals) if vals else None
-    return rec
+    time.sleep(PASS_TIMES_SETTLE_S)
+    times = read_pass_times(visit.times_dir)
+    if len(times) != cfg["tp"]:
+        raise ToolError(f"{name}: check times from {len(times)} decode ranks of {cfg['tp']} "
+                        f"in {visit.times_dir}")  # fmt: skip
+    recs = []
+    for lat in visit.latencies:
+        runs = [{k: res.get(k) for k, _ in FIGURES} | {"completed": res.get("completed"),
+                 "duration": res.get("duration"), "median_ttft_ms": res.get("median_ttft_ms")}
+                for res, (x, _) in zip(results, seq) if x == lat]  # fmt: skip
+        figures = pass_figures(times, lat)
+        if not figures["passes_running"]:
+            raise ToolError(f"{name}: no decode pass with a running batch at {lat:g} ms "
+                            f"(the latency file did not reach the ranks?); see "
+                            f"{visit.times_dir}")  # fmt: skip
+        rec = {"arm": arm, "latency_ms": lat, "lanes": None, "round": rnd, "visit": name,
+               "startup_s": pair.startup_s, "loadavg_end": os.getloadavg(),
+               "pipelined_ranks": ranks, "runs": runs} | figures  # fmt: skip
+        for key, _ in FIGURES:
+            vals = [float(x) for x in (r.get(key) for r in runs) if x]
+            rec[key] = sum(vals) / len(vals) if vals else None
+        recs.append(rec)
+    return recs
 
 
 # -- the report ------------------------------------------------------------------------
@@ -249,10 +346,15 @@ def ratios(cfg: dict, visits: list[dict]) -> list[dict]:
     return rows
 
 
+CHECK_COLUMNS = (("sync_ms_running", "passes_running", "sync ms: running"),
+                 ("sync_ms_idle", "passes_idle", "idle"),
+                 ("pops_ms_running", "passes_running", "pops ms: running"))  # fmt: skip
+
+
 def arm_table(visits: list[dict]) -> str:
     rows: list[tuple[str, ...]] = [("arm", "injected", "rounds", "out tok/s median", "range",
-                                    "ITL p50 ms median", "range", "wait/step ms",
-                                    "start-up s")]  # fmt: skip
+                                    "ITL p50 ms median", "range",
+                                    *(c[2] for c in CHECK_COLUMNS), "start-up s")]  # fmt: skip
     confs = sorted({(v["arm"], v["latency_ms"]) for v in visits},
                    key=lambda c: (c[1], PD_ARMS.index(c[0])))  # fmt: skip
     for arm, lat in confs:
@@ -262,10 +364,11 @@ def arm_table(visits: list[dict]) -> str:
             vals = [v[key] for v in vs if v.get(key)]
             cells += [f"{statistics.median(vals):.2f}" if vals else "-",
                       f"{min(vals):.2f}-{max(vals):.2f}" if vals else "-"]  # fmt: skip
+        for key, passes, _ in CHECK_COLUMNS:  # visits before the pass-times device: "-"
+            vals = [v[key] for v in vs if v.get(passes)]
+            cells.append(f"{statistics.median(vals):.3f}" if vals else "-")
         ups = [v["startup_s"] for v in vs if v.get("startup_s")]
-        waits = [v["offload_wait_ms"] for v in vs if v.get("offload_steps")]
         rows.append((arm, "-" if arm == "bound" else f"{lat:g} ms", str(len(vs)), *cells,
-                     f"{statistics.median(waits):.3f}" if waits else "-",
                      f"{statistics.median(ups):.0f}" if ups else "-"))  # fmt: skip
     return render(rows)
 
@@ -285,8 +388,8 @@ def title_of(cfg: dict) -> str:
         f"Mooncake TCP, SGLang's router), generated-shared-prefix {cfg['num_groups']}x"
         f"{cfg['prompts_per_group']} (system {cfg['system_prompt_len']}, question "
         f"{cfg['question_len']}, output {cfg['output_len']} tokens), concurrency "
-        f"{cfg['max_concurrency'] or 'unbounded'}; {cfg['rounds']} rounds x {cfg['runs']} "
-        "run(s), a fresh pair each"
+        f"{cfg['max_concurrency'] or 'unbounded'}; {cfg['rounds']} rounds, a fresh pair each; "
+        f"{cfg['runs']} run(s) per latency, every latency in one decode server per arm"
     )
 
 
@@ -303,8 +406,11 @@ def draw_png(path: Path, cfg: dict, visits: list[dict]) -> None:
     colors = {"stock": "blocking", "plugin": "pipelined", "bound": "bound"}
     confs = sorted({(v["arm"], v["latency_ms"]) for v in visits},
                    key=lambda c: (c[1], PD_ARMS.index(c[0])))  # fmt: skip
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
-    for ax, (key, label) in zip(axes, FIGURES):
+    panels = list(FIGURES)
+    if any(v.get("passes_running") for v in visits):
+        panels.append(("sync_ms_running", "sync ms per pass with a running batch"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.4))
+    for ax, (key, label) in zip(axes, panels):
         for i, conf in enumerate(confs):
             pts = [v[key] for v in visits if (v["arm"], v["latency_ms"]) == conf and v.get(key)]
             if pts:
@@ -321,7 +427,7 @@ def draw_png(path: Path, cfg: dict, visits: list[dict]) -> None:
 
 def run(args) -> int:
     from hicache_async_ack import __version__
-    from hicache_async_ack_lab.bench.arms import config_of, load_visits, rounds_of
+    from hicache_async_ack_lab.bench.arms import config_of, load_visits
     from hicache_async_ack_lab.bench.driver import save, versions
 
     cfg = config_of(args)
@@ -337,13 +443,14 @@ def run(args) -> int:
     if visits:
         cfg["rounds"] = len({v["round"] for v in visits})
         load_at_start = visits[0]["loadavg_start"]
-    for rnd, order in enumerate([] if visits else rounds_of(cfg)):
+    for rnd, order in enumerate([] if visits else visit_order(cfg)):
         visits += run_round(cfg, order, rnd, workdir, args.quiet)
     rows = ratios(cfg, visits)
+    servers = len({(v["round"], v.get("visit", v["arm"] + str(v["latency_ms"]))) for v in visits})
     wall = sum(v["wall_s"] for v in visits) if args.from_visits else time.monotonic() - t0
     print(f"hicache-async-ack-lab bench-server --workload pd {__version__}: {title_of(cfg)}")
     print(f"host: {os.cpu_count()} CPUs, load average {load_at_start[0]:.2f} at start, "
-          f"{os.getloadavg()[0]:.2f} at end; {len(visits)} PD pairs in {wall / 60:.1f} min; "
+          f"{os.getloadavg()[0]:.2f} at end; {servers} decode servers in {wall / 60:.1f} min; "
           f"logs in {workdir}")  # fmt: skip
     print(arm_table(visits))
     print()
@@ -359,13 +466,19 @@ def run(args) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """Run bench_serving once per argv list in ``argv[0]`` (a JSON file)."""
-    runs = json.loads(Path(argv[0]).read_text())
+    """Run bench_serving once per run in ``argv[0]`` (a JSON file), each after writing
+    its latency to the spec's latency file (when it has one)."""
+    spec = json.loads(Path(argv[0]).read_text())
     from sglang.benchmark.serving import cli_main
 
-    for i, run_argv in enumerate(runs):
-        sys.argv = ["bench_serving", *run_argv]
-        print(f"=== hicache-async-ack: bench_serving run {i + 1}/{len(runs)}", flush=True)
+    from hicache_async_ack_lab.cpu_server.settings import write_latency_file
+
+    for i, run in enumerate(spec["runs"]):
+        if spec["latency_file"]:
+            write_latency_file(spec["latency_file"], run["latency_ms"])
+        sys.argv = ["bench_serving", *run["argv"]]
+        print(f"=== hicache-async-ack: bench_serving run {i + 1}/{len(spec['runs'])}"
+              f" (injected {run['latency_ms']} ms)", flush=True)  # fmt: skip
         cli_main()
     return 0
 

@@ -43,9 +43,10 @@ from typing import Callable, Mapping, MutableMapping, Optional
 
 from hicache_async_ack.env import ENABLE_VAR, parse_bool, plugin_whitelisted
 from hicache_async_ack_lab.cpu_server.settings import (
+    CPU_REDUCE_LATENCY_FILE_VAR,
     CPU_REDUCE_LATENCY_VAR,
     CPU_SKEW_VAR,
-    parse_cpu_reduce_latency_ms,
+    latency_injected,
     parse_cpu_skew,
 )
 
@@ -97,10 +98,10 @@ def _check_equal_counts(var: str, what: str, env: Mapping[str, str]) -> None:
             f"{var}: {what} is only valid while every rank's counts are equal; "
             f"{CPU_SKEW_VAR} makes acks finish at different times per rank"
         )
-    if parse_cpu_reduce_latency_ms(env.get(CPU_REDUCE_LATENCY_VAR)):
+    if latency_injected(env):
         raise ValueError(
-            f"{var}: {what} has no collective to delay; unset "
-            f"{CPU_REDUCE_LATENCY_VAR} (its figures stand for every latency)"
+            f"{var}: {what} has no collective to delay; unset {CPU_REDUCE_LATENCY_VAR} "
+            f"and {CPU_REDUCE_LATENCY_FILE_VAR} (its figures stand for every latency)"
         )
 
 

@@ -23,6 +23,11 @@ enable-offload-kvcache``), read by these stand-ins only:
 
 - injected latency (``HICACHE_ASYNC_ACK_CPU_REDUCE_LATENCY_MS``): stock's blocking
   ``check_offload_progress`` reduce sleeps that long first, as the ack sync's does;
+- ``HICACHE_ASYNC_ACK_CPU_PASS_TIMES_DIR``: every decode rank writes
+  ``passes.<rank>.json``: how long ``check_offload_progress`` took per pass of the
+  decode loop (stock's blocking reduce, or the plugin's wait, pops and issue), split by
+  the latency injected at the time and by whether the pass began with a running batch
+  (so launches a decode forward: the time that reaches the inter-token latency) or not;
 - ``HICACHE_ASYNC_ACK_CPU_OFFLOAD_COUNT_DIR``: every decode rank writes
   ``offload.<rank>.json``: the offload acks and storage backups it popped, counted
   at upstream's two pop methods (which the plugin calls too), so stock and plugin
@@ -36,9 +41,12 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Callable, MutableMapping
+from typing import Callable, MutableMapping, Optional
 
 OFFLOAD_COUNT_DIR_VAR = "HICACHE_ASYNC_ACK_CPU_OFFLOAD_COUNT_DIR"
+PASS_TIMES_DIR_VAR = "HICACHE_ASYNC_ACK_CPU_PASS_TIMES_DIR"
+PASS_KINDS = ("running", "idle")  # the pass began with a running batch, or without
+PASS_TIMES: dict = {}  # "times": this process's PassTimes, once installed
 
 STANDINS = {
     "pd kv sender": "MooncakeKVSender without the page-locked index copy and its CUDA "
@@ -118,6 +126,7 @@ def _patch_decode(module) -> None:
         parse_cpu_break_copies,
     )
 
+    _time_offload_checks(module)
     if parse_cpu_break_copies(os.environ.get(CPU_BREAK_COPIES_VAR)) != "transfer":
         return
     real = module.get_kv_transfer_buf_infos
@@ -130,6 +139,28 @@ def _patch_decode(module) -> None:
 
 
 # --- the decode offload sync's devices ---------------------------------------------
+
+
+def write_rank_file(root: Path, stem: str, rank: int, values: dict) -> None:
+    """``<stem>.<rank>.json``, replaced at once: a reader never sees half of it."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{stem}.{rank}.json.{os.getpid()}"
+    tmp.write_text(json.dumps(values))
+    tmp.replace(root / f"{stem}.{rank}.json")
+
+
+def read_rank_files(root: Path, stem: str) -> dict[str, dict]:
+    """``{rank: values}`` from the ``<stem>.<rank>.json`` files in ``root``."""
+    return {
+        path.name.split(".")[1]: json.loads(path.read_text())
+        for path in sorted(Path(root).glob(f"{stem}.*.json"))
+    }
+
+
+def _dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 class _OffloadCounts:
@@ -145,42 +176,133 @@ class _OffloadCounts:
             self.write()
 
     def write(self) -> None:
-        import torch.distributed as dist
+        write_rank_file(self.root, "offload", _dist_rank(), self.values)
 
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".offload.{rank}.json.{os.getpid()}"
-        tmp.write_text(json.dumps(self.values))
-        tmp.replace(self.root / f"offload.{rank}.json")
+
+class PassTimes:
+    """One decode rank's ``check_offload_progress`` time per loop pass:
+    ``{latency ms: {kind: [passes, seconds, longest, popping]}}``, written to
+    ``passes.<rank>.json`` at most every ``WRITE_EVERY_S`` (the idle loop spins, so
+    the file trails the loop by about that much). ``popping``: the part spent in
+    upstream's two pop methods, the same work on either path, so ``seconds -
+    popping`` is what the sync itself put on the pass (stock's blocking reduce, or
+    the plugin's wait, count and issue)."""
+
+    WRITE_EVERY_S = 0.5
+
+    def __init__(self, root: Path, latency: Optional[Callable[[], float]], rank: Callable[[], int]):
+        self.root, self.latency, self.rank = root, latency, rank
+        self.clock = time.perf_counter
+        self.values: dict[str, dict[str, list]] = {}
+        self.kind = "idle"  # the current pass's, set as it begins
+        self.popping = 0.0  # this check's time in the pop methods so far
+        self.written = 0.0
+
+    def add(self, seconds: float) -> None:
+        key = f"{self.latency() * 1000.0:g}" if self.latency is not None else "0"
+        cell = self.values.setdefault(key, {k: [0, 0.0, 0.0, 0.0] for k in PASS_KINDS})[self.kind]
+        cell[0] += 1
+        cell[1] += seconds
+        cell[2] = max(cell[2], seconds)
+        cell[3] += self.popping
+        now = time.monotonic()
+        if now - self.written >= self.WRITE_EVERY_S:
+            self.written = now
+            self.write()
+
+    def write(self) -> None:
+        write_rank_file(self.root, "passes", self.rank(), self.values)
+
+    def timed(self, check: Callable) -> Callable:
+        def timed_check(*args, **kwargs):
+            self.popping = 0.0
+            t0 = self.clock()
+            try:
+                return check(*args, **kwargs)
+            finally:
+                self.add(self.clock() - t0)
+
+        return timed_check
+
+    def timed_pop(self, pop: Callable) -> Callable:
+        @functools.wraps(pop)
+        def timed(*args, **kwargs):
+            t0 = self.clock()
+            try:
+                return pop(*args, **kwargs)
+            finally:
+                self.popping += self.clock() - t0
+
+        return timed
+
+
+def pass_times() -> Optional[PassTimes]:
+    """This process's PassTimes, made at the first call, or None without the device."""
+    root = os.environ.get(PASS_TIMES_DIR_VAR)
+    if not root:
+        return None
+    if "times" not in PASS_TIMES:
+        from hicache_async_ack_lab.cpu_server.settings import reduce_latency
+
+        PASS_TIMES["times"] = PassTimes(Path(root), reduce_latency(), _dist_rank)
+    return PASS_TIMES["times"]
+
+
+def _time_offload_checks(module) -> None:
+    """With PASS_TIMES_DIR_VAR: each pass of the decode loop notes whether it begins
+    with a running batch, and the manager's ``check_offload_progress`` is timed through
+    an attribute of the instance, so the time includes whatever wraps the class's
+    method (the plugin's hook, the injected latency)."""
+    times = pass_times()
+    if times is None:
+        return
+    cls = module.SchedulerDisaggregationDecodeMixin
+    real = cls.process_decode_queue
+
+    @functools.wraps(real)
+    def process_decode_queue(self, *args, **kwargs):
+        manager = getattr(self, "decode_offload_manager", None)
+        if manager is not None and "check_offload_progress" not in vars(manager):
+            manager.check_offload_progress = times.timed(manager.check_offload_progress)
+        running = getattr(self, "running_batch", None)
+        times.kind = "running" if running is not None and not running.is_empty() else "idle"
+        return real(self, *args, **kwargs)
+
+    cls.process_decode_queue = process_decode_queue
+
+
+def read_pass_times(root: Path) -> dict[str, dict]:
+    """``{rank: {latency ms: {kind: [passes, seconds, longest]}}}`` from a directory."""
+    return read_rank_files(root, "passes")
 
 
 def read_offload_counts(root: Path) -> dict[str, dict]:
     """``{rank: {"offload": n, "backup": n}}`` from a count directory."""
-    out = {}
-    for path in sorted(Path(root).glob("offload.*.json")):
-        out[path.name.split(".")[1]] = json.loads(path.read_text())
-    return out
+    return read_rank_files(root, "offload")
 
 
 def _patch_offload_manager(module) -> None:
-    from hicache_async_ack_lab.cpu_server.settings import (
-        CPU_REDUCE_LATENCY_VAR,
-        parse_cpu_reduce_latency_ms,
-    )
+    from hicache_async_ack_lab.cpu_server.settings import reduce_latency
 
     cls = module.DecodeKVCacheOffloadManager
-    latency = parse_cpu_reduce_latency_ms(os.environ.get(CPU_REDUCE_LATENCY_VAR)) / 1000.0
-    if latency:
+    latency = reduce_latency()
+    if latency is not None:
         real_check = cls.check_offload_progress
 
         # wraps(): the plugin's guard fingerprints the method (unwrapped); with the
         # plugin pipelining, this blocking path is not taken.
         @functools.wraps(real_check)
         def slow_check_offload_progress(self, *args, **kwargs):
-            time.sleep(latency)
+            seconds = latency()
+            if seconds:
+                time.sleep(seconds)
             return real_check(self, *args, **kwargs)
 
         cls.check_offload_progress = slow_check_offload_progress
+    times = pass_times()
+    if times is not None:  # stock and the plugin pop through these two alike
+        for name in ("_check_offload_progress", "_check_backup_progress"):
+            setattr(cls, name, times.timed_pop(getattr(cls, name)))
     root = os.environ.get(OFFLOAD_COUNT_DIR_VAR)
     if not root:
         return

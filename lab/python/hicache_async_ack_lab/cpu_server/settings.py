@@ -3,7 +3,8 @@ plugin, whose settings are all in :mod:`hicache_async_ack.env`."""
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+import os
+from typing import Callable, Mapping, Optional, Sequence
 
 # HICACHE_ASYNC_ACK_CPU_SKEW: comma-separated polls per global rank
 # (rank i uses entry i mod len) before an ack's finish event reports done, e.g.
@@ -13,6 +14,11 @@ CPU_SKEW_VAR = "HICACHE_ASYNC_ACK_CPU_SKEW"
 # (the seed's B200 host: 3.2 ms): every blocking UnifiedRadixCache._all_reduce sleeps
 # this long first; the plugin's async reduces complete no earlier than this after issue.
 CPU_REDUCE_LATENCY_VAR = "HICACHE_ASYNC_ACK_CPU_REDUCE_LATENCY_MS"
+# HICACHE_ASYNC_ACK_CPU_REDUCE_LATENCY_FILE: a file holding that latency in ms, re-read
+# whenever it is replaced, instead of the fixed value above (a measurement device:
+# bench-server --workload pd switches the latency between runs in one decode server,
+# so a latency's ratio to 0 ms is paired within one process). Unset: the fixed value.
+CPU_REDUCE_LATENCY_FILE_VAR = "HICACHE_ASYNC_ACK_CPU_REDUCE_LATENCY_FILE"
 # HICACHE_ASYNC_ACK_CPU_BREAK_COPIES: break the stand-ins' KV copies ON PURPOSE, the
 # negative control of the end-to-end correctness checks (they must fail on it):
 # "noop" copies nothing (device <-> host, so storage hits too), "swap" writes the
@@ -52,6 +58,63 @@ def parse_cpu_reduce_latency_ms(raw: Optional[str]) -> float:
             f"{CPU_REDUCE_LATENCY_VAR}={raw!r}: expected a number of milliseconds >= 0"
         )
     return ms
+
+
+class LatencyFile:
+    """The latency a file says now, in seconds: re-read when the file is replaced
+    (``write_latency_file``: a new inode) or rewritten, one ``stat`` per call."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._key: tuple = ()
+        self._seconds = 0.0
+
+    def __call__(self) -> float:
+        try:
+            st = os.stat(self.path)
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if key != self._key:
+                with open(self.path) as f:
+                    raw = f.read().strip()
+                self._seconds = parse_cpu_reduce_latency_ms(raw or "0") / 1000.0
+                self._key = key
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"{CPU_REDUCE_LATENCY_FILE_VAR}={self.path!r}: expected a readable file "
+                f"holding a number of milliseconds >= 0 ({exc})"
+            ) from exc
+        return self._seconds
+
+
+def reduce_latency(environ: Optional[Mapping[str, str]] = None) -> Optional[Callable[[], float]]:
+    """The injected latency as a callable (seconds, read at each call), or None when
+    none is injected. A latency file is read once here, so a bad one fails at start."""
+    env = os.environ if environ is None else environ
+    path = env.get(CPU_REDUCE_LATENCY_FILE_VAR)
+    if path:
+        latency = LatencyFile(path)
+        latency()
+        return latency
+    seconds = parse_cpu_reduce_latency_ms(env.get(CPU_REDUCE_LATENCY_VAR)) / 1000.0
+    return (lambda: seconds) if seconds else None
+
+
+def latency_injected(environ: Mapping[str, str]) -> bool:
+    """Whether either latency variable asks for one (a file saying 0 included)."""
+    return bool(environ.get(CPU_REDUCE_LATENCY_FILE_VAR)) or bool(
+        parse_cpu_reduce_latency_ms(environ.get(CPU_REDUCE_LATENCY_VAR))
+    )
+
+
+def write_latency_file(path, ms: float) -> None:
+    """Replace the file at once (a new inode): a reader never sees half a number."""
+    from pathlib import Path
+
+    parse_cpu_reduce_latency_ms(str(ms))
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    tmp.write_text(f"{ms:g}\n")
+    tmp.replace(target)
 
 
 def parse_cpu_break_copies(raw: Optional[str]) -> str:

@@ -34,11 +34,10 @@ from typing import Callable
 from hicache_async_ack_lab.cpu_server import bound, mooncake_standins, pd_standins
 from hicache_async_ack_lab.cpu_server.settings import (
     CPU_BREAK_COPIES_VAR,
-    CPU_REDUCE_LATENCY_VAR,
     CPU_SKEW_VAR,
     parse_cpu_break_copies,
-    parse_cpu_reduce_latency_ms,
     parse_cpu_skew,
+    reduce_latency,
 )
 
 logger = logging.getLogger("hicache_async_ack_lab.cpu_server")
@@ -222,13 +221,9 @@ def _patch_cache_controller(module) -> None:
 # --- injected collective latency ---------------------------------------------------
 
 
-def _latency_s() -> float:
-    return parse_cpu_reduce_latency_ms(os.environ.get(CPU_REDUCE_LATENCY_VAR)) / 1000.0
-
-
 def _delay_stock_all_reduce(module) -> None:
-    latency = _latency_s()
-    if not latency:
+    latency = reduce_latency()
+    if latency is None:
         return
     cls = module.UnifiedRadixCache
     real = cls._all_reduce
@@ -237,19 +232,21 @@ def _delay_stock_all_reduce(module) -> None:
     # this measurement device must not change what it sees.
     @functools.wraps(real)
     def slow_all_reduce(self, *args, **kwargs):
-        time.sleep(latency)
+        seconds = latency()
+        if seconds:
+            time.sleep(seconds)
         return real(self, *args, **kwargs)
 
     cls._all_reduce = slow_all_reduce
 
 
 def _delay_plugin_reduces(module) -> None:
-    latency = _latency_s()
-    if not latency:
+    latency = reduce_latency()
+    if latency is None:
         return
     from hicache_async_ack_lab.sim.collectives import delayed
 
-    module.use_async_min(lambda base: lambda group: delayed(base(group), lambda: latency))
+    module.use_async_min(lambda base: lambda group: delayed(base(group), latency))
 
 
 # --- post-import patching ---------------------------------------------------------
@@ -300,7 +297,7 @@ def install() -> None:
     if any(isinstance(f, _PatchingFinder) for f in sys.meta_path):
         return
     parse_cpu_skew(os.environ.get(CPU_SKEW_VAR))  # fail at start, not at the first ack
-    parse_cpu_reduce_latency_ms(os.environ.get(CPU_REDUCE_LATENCY_VAR))
+    reduce_latency()  # a bad value or latency file fails here, not at the first reduce
     parse_cpu_break_copies(os.environ.get(CPU_BREAK_COPIES_VAR))
     if "sgl_kernel" in sys.modules:
         raise RuntimeError("cpu-server stand-ins must be installed before sgl_kernel is imported")
