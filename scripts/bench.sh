@@ -17,11 +17,15 @@
 #       how the gain grows with the work: 4, 8, 16, 32 lanes at 3.2 ms, stock, plugin
 #       and the bound, 3 rounds, a plot of plugin/stock and plugin/bound: 36 server
 #       starts (37 min on a quiet box)
+#   scripts/bench.sh --pd [bench-server args]
+#       PD disaggregation: a real prefill/decode pair per round, the decode offload
+#       sync of stock, the plugin and the bound, each arm's decode serving 0 and 3.2 ms
+#       (switched between runs), 5 rounds (docs/bench.md; ~70 min on a quiet box)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$(bash "$root/scripts/setup.sh")
 cd "$root"
-cli="$venv/bin/hicache-async-ack"
+cli="$venv/bin/hicache-async-ack-lab"  # the lab's CLI: bench, bench-server
 seed_arms=(--workload multiturn --arms l1,stock,plugin,bound,local)
 case "${1:-}" in
   --no-server) shift; exec "$cli" bench "$@" ;;
@@ -33,6 +37,11 @@ case "${1:-}" in
     exec "$cli" bench-server --workload multiturn --arms stock,plugin,bound \
       --latency-ms 3.2 --lanes 4,8,16,32 --rounds 3 --runs 2 --hicache-ratio 64 \
       --out bench-sweep.jsonl --png bench-sweep.png "$@" ;;
+  --pd) shift
+    exec "$cli" bench-server --workload pd --tp 2 --arms stock,plugin,bound \
+      --latency-ms 0,3.2 --rounds 5 --runs 4 --num-groups 4 --prompts-per-group 4 \
+      --system-prompt-len 64 --question-len 32 --output-len 128 --max-concurrency 8 \
+      --out bench-pd.jsonl --png bench-pd.png "$@" ;;
 esac
 "$cli" bench "$@"
 "$cli" bench-server
