@@ -6,6 +6,7 @@ test_e2e_pd.py and the bench itself)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +44,7 @@ class FakePair:
     """What run_round and measure use of cpu_server.pd.PDPair; every call recorded."""
 
     events: list[str] = []
+    ranks: "Ranks"
 
     def __init__(self, args, workdir, decode_tp, start_timeout_s):
         self.workdir, self.router_port, self.startup_s = workdir, 1, 1.0
@@ -51,11 +53,13 @@ class FakePair:
 
     def start(self):
         self.decode = FakeDecode(metrics_text(self.decode_env.get(ENABLE_VAR) == "1"))
+        self.ranks.write(self.decode_env, measured=False)
         self.events.append("start")
 
     def restart_decode(self, env, latency_ms, name):
         self.decode_env = env
         self.decode = FakeDecode(metrics_text(env.get(ENABLE_VAR) == "1"))
+        self.ranks.write(self.decode_env, measured=False)
         self.events.append(f"restart {name}")
 
     def stop(self):
@@ -90,22 +94,27 @@ def test_runs_alternate_the_latencies_in_mirrored_blocks_each_block_one_seed():
 
 
 class Ranks:
-    """The decode ranks' pass-times files, as the device writes them."""
+    """The decode ranks' pass-times files, as the device writes them: a start-up's and a
+    warm-up's passes (at 0 ms, 4 ms each) before the measured runs, then theirs."""
 
     def __init__(self, running_by_latency: dict[str, int]):
         self.running = running_by_latency
 
-    def write(self, env: dict) -> None:
-        root = __import__("pathlib").Path(env[PASS_TIMES_DIR_VAR])
+    def write(self, env: dict, measured: bool) -> None:
+        root = Path(env[PASS_TIMES_DIR_VAR])
         for rank in range(TP):
-            values = {lat: {"running": [n, n * 0.004, 0.01, n * 0.001],
-                            "idle": [10, 0.001, 0.0001, 0.0]}
-                      for lat, n in self.running.items()}  # fmt: skip
+            values = {"0": {"running": [100, 0.4, 0.01, 0.1], "idle": [10, 0.001, 0.0001, 0]}}
+            for lat, n in self.running.items() if measured else ():
+                cells = values.setdefault(lat, {"running": [0, 0.0, 0.0, 0.0],
+                                                "idle": [0, 0.0, 0.0, 0.0]})  # fmt: skip
+                cells["running"] = [cells["running"][0] + n, cells["running"][1] + n * 0.002,
+                                    0.01, cells["running"][3] + n * 0.0005]  # fmt: skip
             write_rank_file(root, "passes", rank, values)
 
 
 def fake_round(cfg, monkeypatch, ranks: Ranks):
     FakePair.events = []
+    FakePair.ranks = ranks
     monkeypatch.setattr(cpu_pd, "PDPair", FakePair)
     monkeypatch.setattr(pd, "PASS_TIMES_SETTLE_S", 0.0)
     want = cfg["num_groups"] * cfg["prompts_per_group"] * cfg["output_len"]
@@ -117,7 +126,7 @@ def fake_round(cfg, monkeypatch, ranks: Ranks):
                       "seeds": seeds, "env": dict(pair.decode_env)})  # fmt: skip
         FakePair.events.append(f"client {name}")
         if latencies is not None:
-            ranks.write(pair.decode_env)
+            ranks.write(pair.decode_env, measured=True)
         # ITL: 30 ms, plus the latency, plus a drift of 1 ms per run
         return [{"total_output_tokens": want, "output_throughput": 100.0,
                  "median_itl_ms": 30.0 + (lat or 0.0) + i}
@@ -148,9 +157,12 @@ def test_a_round_warms_the_prefill_then_measures_each_arm_at_every_latency(
     assert {v["visit"] for v in visits} == {"pd-stock-r0", "pd-plugin-r0"}
     for v in visits:
         assert len(v["runs"]) == cfg["runs"]
-        assert v["check_ms_running"] == pytest.approx(4.0)
-        assert v["sync_ms_running"] == pytest.approx(3.0)
-        assert v["pops_ms_running"] == pytest.approx(1.0)
+        # only the measured runs' passes: 2 ms each, 0.5 of it popping (the start-up's
+        # and warm-up's 4 ms passes before them left out)
+        assert v["passes_running"] == TP * (40 if v["latency_ms"] == 0 else 38)
+        assert v["check_ms_running"] == pytest.approx(2.0)
+        assert v["sync_ms_running"] == pytest.approx(1.5)
+        assert v["pops_ms_running"] == pytest.approx(0.5)
     itl = {(v["arm"], v["latency_ms"]): v["median_itl_ms"] for v in visits}
     # each latency's runs averaged; the mirrored blocks cancel the drift
     assert itl[("plugin", 0.0)] == pytest.approx((30.0 + 33.0) / 2)
@@ -187,6 +199,20 @@ def test_pass_figures_are_every_ranks_time_over_every_ranks_passes():
     assert got["passes_idle"] == 8 and got["check_ms_idle"] == pytest.approx(2.0)
     empty = pd.pass_figures(times, 0.0)
     assert empty["passes_running"] == 0 and empty["sync_ms_running"] == 0.0
+
+
+def test_pass_times_count_only_what_the_measured_runs_added():
+    before = {"0": {"0": {"running": [50, 0.5, 0.02, 0.1], "idle": [900, 0.9, 0.01, 0.0]}}}
+    after = {
+        "0": {
+            "0": {"running": [70, 0.6, 0.03, 0.15], "idle": [1000, 1.0, 0.01, 0.0]},
+            "3.2": {"running": [20, 0.08, 0.005, 0.01], "idle": [5, 0.02, 0.004, 0]},
+        }
+    }
+    got = pd.pass_times_since(before, after)
+    assert got["0"]["0"]["running"] == pytest.approx([20, 0.1, 0.03, 0.05])
+    assert got["0"]["0"]["idle"] == pytest.approx([100, 0.1, 0.01, 0.0])
+    assert got["0"]["3.2"] == after["0"]["3.2"]  # nothing at 3.2 ms before
 
 
 def test_the_table_shows_sync_times_and_a_dash_for_visits_without_them():

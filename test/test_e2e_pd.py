@@ -38,7 +38,9 @@ from hicache_async_ack_lab.cpu_server import Server
 from hicache_async_ack_lab.cpu_server.pd import PDPair
 from hicache_async_ack_lab.cpu_server.pd_standins import (
     OFFLOAD_COUNT_DIR_VAR,
+    PASS_TIMES_DIR_VAR,
     read_offload_counts,
+    read_pass_times,
 )
 from hicache_async_ack_lab.cpu_server.settings import CPU_SKEW_VAR
 
@@ -80,6 +82,7 @@ class Record:
     kill: dict = field(default_factory=dict)  # the killed rank and how the server ended
     warmup: dict = field(default_factory=dict)  # the pop counts before our first request
     skew: str = ""  # the decode's skew setting, as its processes got it
+    passes: dict = field(default_factory=dict)  # the bench's pass-times device, per rank
 
 
 def settled_counts(root: Path, ranks: int = 2, settle_s: float = 120.0) -> dict:
@@ -170,10 +173,11 @@ def kill_mid_offload(pd: PDPair, counts_dir: Path) -> dict:
 
 
 def run_pd(tmp: Path, name: str, decode_env: dict, kill: bool = True, **kw) -> Record:
-    counts_dir = tmp / "counts"
+    counts_dir, passes_dir = tmp / "counts", tmp / "passes"
     pd = PDPair(
         ["--enable-metrics"], workdir=tmp / name,
-        decode_env={**decode_env, OFFLOAD_COUNT_DIR_VAR: str(counts_dir)},
+        decode_env={**decode_env, OFFLOAD_COUNT_DIR_VAR: str(counts_dir),
+                    PASS_TIMES_DIR_VAR: str(passes_dir)},
         start_timeout_s=START_TIMEOUT_S, **kw,
     )  # fmt: skip
     with pd:
@@ -189,6 +193,7 @@ def run_pd(tmp: Path, name: str, decode_env: dict, kill: bool = True, **kw) -> R
         rec.store = {k: v for k, v in store_contents(pd.store).items() if k not in warm_files}
         rec.decode_log = pd.decode.log()
         rec.skew = pd.decode.env.get(CPU_SKEW_VAR, "")
+        rec.passes = read_pass_times(passes_dir) if pd.offload else {}
         if kill:
             rec.kill = kill_mid_offload(pd, counts_dir)
     return rec
@@ -269,6 +274,23 @@ def test_the_store_holds_the_same_pages(plugin, stock):
     sizes = {k: v[0] for k, v in plugin.store.items()}
     assert sizes == {k: v[0] for k, v in stock.store.items()}
     assert plugin.store == stock.store  # bytes too: the same requests, one at a time
+
+
+def test_the_bench_times_every_decode_pass_on_every_rank_plugin_and_stock(plugin, stock):
+    """The device bench-server --workload pd reads (pd_standins.PassTimes), on the real
+    decode loop: both ranks, passes with a running batch and without, pops inside the
+    checks; TP ranks run the same batches, so they count the same running passes."""
+    for rec in (plugin, stock):
+        assert sorted(rec.passes) == ["0", "1"], rec.passes
+        running = []
+        for rank in ("0", "1"):
+            cells = rec.passes[rank]["0"]  # no latency injected here
+            assert cells["running"][0] > 0 and cells["idle"][0] > 0, cells
+            assert cells["running"][3] > 0, cells  # offloads popped while decoding
+            assert cells["running"][1] >= cells["running"][3], cells  # pops inside checks
+            running.append(cells["running"][0])
+        # once per decode step of each request at least (16 new tokens, some batched)
+        assert running[0] == running[1] >= MAX_NEW, rec.passes
 
 
 # How a decode server goes down when one of its ranks is killed: a gloo collective on

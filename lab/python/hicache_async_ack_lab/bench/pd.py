@@ -243,6 +243,19 @@ def warm_prefill(cfg: dict, pair, rnd: int, workdir: Path) -> None:
 PASS_TIMES_SETTLE_S = 1.5  # > PassTimes.WRITE_EVERY_S: the files hold the last run
 
 
+def pass_times_since(before: dict, after: dict) -> dict:
+    """``after`` less ``before``, cell by cell (passes, seconds and popping are running
+    sums; the longest pass is kept as ``after`` has it)."""
+    out: dict = {}
+    for rank, lats in after.items():
+        for lat, kinds in lats.items():
+            for kind, cell in kinds.items():
+                old = before.get(rank, {}).get(lat, {}).get(kind, [0, 0.0, 0.0, 0.0])
+                new = [cell[0] - old[0], cell[1] - old[1], cell[2], cell[3] - old[3]]
+                out.setdefault(rank, {}).setdefault(lat, {})[kind] = new
+    return out
+
+
 def pass_figures(times: dict, latency_ms: float) -> dict:
     """Per pass kind, at one latency, over every rank's passes: how many, and the mean
     ms per pass of the whole check, of the sync alone (the check less upstream's pops)
@@ -267,6 +280,9 @@ def measure(cfg: dict, pair, visit: Visit, rnd: int, workdir: Path, name: str) -
 
     seq = run_sequence(visit.latencies, cfg["runs"])
     argvs = client_argvs(cfg, pair, workdir, name, [b for _, b in seq])
+    # what came before (SGLang's start-up request, the round's warm-up, idle passes)
+    time.sleep(PASS_TIMES_SETTLE_S)
+    before = read_pass_times(visit.times_dir)
     results = run_client(pair, argvs, workdir, name, [lat for lat, _ in seq],
                          visit.latency_file)  # fmt: skip
     arm, ranks = visit.arm, pipelined_ranks(pair)
@@ -277,7 +293,7 @@ def measure(cfg: dict, pair, visit: Visit, rnd: int, workdir: Path, name: str) -
             raise ToolError(f"{name}: {res.get('total_output_tokens')} output tokens of "
                             f"{want}; see {pair.workdir}")  # fmt: skip
     time.sleep(PASS_TIMES_SETTLE_S)
-    times = read_pass_times(visit.times_dir)
+    times = pass_times_since(before, read_pass_times(visit.times_dir))
     if len(times) != cfg["tp"]:
         raise ToolError(f"{name}: check times from {len(times)} decode ranks of {cfg['tp']} "
                         f"in {visit.times_dir}")  # fmt: skip
