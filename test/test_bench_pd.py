@@ -234,3 +234,22 @@ def test_the_plugin_arm_must_show_every_rank_pipelined(cfg):
     assert pd.pipelined_ranks(pair) == 0
     with pytest.raises(ToolError, match="0 decode ranks pipelined, expected 2"):
         pd.check_arm(cfg, "plugin", 0, "", "pd-plugin-r0")
+
+
+def test_what_a_latency_adds_to_the_sync_is_paired_by_round_within_each_arm(cfg):
+    def visit(arm, lat, rnd, sync):
+        return {"arm": arm, "latency_ms": lat, "round": rnd, "passes_running": 10,
+                "sync_ms_running": sync}  # fmt: skip
+
+    visits = [visit("stock", 0.0, 0, 2.0), visit("stock", 3.2, 0, 5.3),
+              visit("stock", 0.0, 1, 1.0), visit("stock", 3.2, 1, 4.1),
+              visit("plugin", 0.0, 0, 1.5), visit("plugin", 3.2, 0, 1.5),
+              visit("plugin", 0.0, 1, 0.8), visit("plugin", 3.2, 1, 0.8)]  # fmt: skip
+    rows = {r["arm"]: r for r in pd.sync_rows(cfg, visits)}
+    assert rows["stock"]["added_ms"] == pytest.approx(3.2) and rows["stock"]["n"] == 2
+    # differences 3.3 and 3.1: sd 0.1414, t(1) = 12.706, half-width 1.2706
+    assert rows["stock"]["low"] == pytest.approx(1.929, abs=1e-3)
+    assert rows["plugin"]["added_ms"] == pytest.approx(0.0)
+    assert rows["plugin"]["low"] == pytest.approx(0.0) == rows["plugin"]["high"]
+    text = pd.sync_table(list(rows.values()))
+    assert "stock" in text and "3.200 [" in text

@@ -389,6 +389,36 @@ def arm_table(visits: list[dict]) -> str:
     return render(rows)
 
 
+def sync_rows(cfg: dict, visits: list[dict]) -> list[dict]:
+    """What an injected latency adds to the sync on a pass with a running batch (ms,
+    paired by round within one decode server): stock's blocking reduce takes it on
+    every such pass; the plugin's wait should not."""
+    from hicache_async_ack_lab.bench.stats import paired_difference
+
+    def by_round(arm: str, lat: float) -> dict:
+        same = [v for v in visits if (v["arm"], v["latency_ms"]) == (arm, lat)]
+        return {v["round"]: v["sync_ms_running"] for v in same if v.get("passes_running")}
+
+    rows = []
+    for arm in ("stock", "plugin"):
+        own = by_round(arm, 0.0)
+        for lat in [x for x in cfg["latencies_ms"] if x]:
+            at = by_round(arm, lat)
+            common = sorted(set(own) & set(at))
+            if common:
+                iv = paired_difference([at[r] for r in common], [own[r] for r in common])
+                rows.append({"arm": arm, "latency_ms": lat, "n": iv.n, "added_ms": iv.ratio,
+                             "low": iv.low, "high": iv.high, "interval": iv.fmt()})  # fmt: skip
+    return rows
+
+
+def sync_table(rows: list[dict]) -> str:
+    out: list[tuple[str, ...]] = [("sync ms per pass with a running batch", "injected",
+                                   "rounds", "added vs own 0 ms [95% interval]")]  # fmt: skip
+    out += [(r["arm"], f"{r['latency_ms']:g} ms", str(r["n"]), r["interval"]) for r in rows]
+    return render(out)
+
+
 def ratio_table(rows: list[dict]) -> str:
     out: list[tuple[str, ...]] = [("figure", "ratio", "injected", "rounds",
                                    "value [95% interval]", "claim", "verdict")]  # fmt: skip
@@ -471,12 +501,16 @@ def run(args) -> int:
     print(arm_table(visits))
     print()
     print(ratio_table(rows))
+    syncs = sync_rows(cfg, visits)
+    if syncs:
+        print()
+        print(sync_table(syncs))
     print("ITL ratios are inverted (the denominator's ITL over the numerator's): > 1 is "
           "faster, as for tok/s. bound: the decode offload MIN answered with each rank's "
           "own queue sizes (valid on CPU without skew).")  # fmt: skip
     record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "kind": "server-pd", "config": cfg,
               "versions": versions(), "cpu_count": os.cpu_count(), "wall_s": wall,
-              "visits": visits, "ratios": rows}  # fmt: skip
+              "visits": visits, "ratios": rows, "sync_added": syncs}  # fmt: skip
     save(args, record, "bench-server-pd", lambda png: draw_png(png, cfg, visits))
     return 0
 

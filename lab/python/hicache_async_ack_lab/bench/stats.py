@@ -73,6 +73,23 @@ def paired_ratio(num: Sequence[float], den: Sequence[float]) -> Interval:
     return Interval(math.exp(mean), math.exp(mean - half), math.exp(mean + half), n)
 
 
+def paired_difference(a: Sequence[float], b: Sequence[float]) -> Interval:
+    """a[r] - b[r] per round r: the mean and its 95% t-interval (an Interval whose
+    ``ratio`` is that mean difference), for figures that add (ms per pass)."""
+    if len(a) != len(b):
+        raise ValueError(f"paired rounds differ in number: {len(a)} vs {len(b)}")
+    if not a:
+        raise ValueError("no paired round")
+    diffs = [x - y for x, y in zip(a, b)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    if n < 2:
+        return Interval(mean, None, None, n)
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+    half = t975(n - 1) * sd / math.sqrt(n)
+    return Interval(mean, mean - half, mean + half, n)
+
+
 @dataclass(frozen=True)
 class Claim:
     """What a ratio must show: at least ``threshold`` (sense ">=") or below it ("<")."""
