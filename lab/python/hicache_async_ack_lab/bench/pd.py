@@ -455,7 +455,7 @@ def draw_png(path: Path, cfg: dict, visits: list[dict]) -> None:
     panels = list(FIGURES)
     if any(v.get("passes_running") for v in visits):
         panels.append(("sync_ms_running", "sync ms per pass with a running batch"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.4))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.6))
     for ax, (key, label) in zip(axes, panels):
         for i, conf in enumerate(confs):
             pts = [v[key] for v in visits if (v["arm"], v["latency_ms"]) == conf and v.get(key)]
@@ -464,7 +464,7 @@ def draw_png(path: Path, cfg: dict, visits: list[dict]) -> None:
                 ax.plot([i] * len(pts), pts, "k.", markersize=4)
         ax.set_xticks(range(len(confs)),
                       [a if a == "bound" else f"{a}\n{lat:g} ms" for a, lat in confs])  # fmt: skip
-        ax.set_ylabel(f"{label} (median of rounds; dots: each round)")
+        ax.set_ylabel(f"{label}\n(median of rounds; dots: each round)")
     fig.suptitle("\n".join(textwrap.wrap(title_of(cfg), 110)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
