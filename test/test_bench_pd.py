@@ -12,7 +12,7 @@ import pytest
 
 from hicache_async_ack.env import ENABLE_VAR
 from hicache_async_ack.tools.options import ToolError
-from hicache_async_ack_lab.bench import pd
+from hicache_async_ack_lab.bench import pd, pd_report
 from hicache_async_ack_lab.bench.arms import config_of
 from hicache_async_ack_lab.cli import build_parser
 from hicache_async_ack_lab.cpu_server import pd as cpu_pd
@@ -217,7 +217,7 @@ def test_pass_times_count_only_what_the_measured_runs_added():
 
 def test_the_table_shows_sync_times_and_a_dash_for_visits_without_them():
     base = {"round": 0, "startup_s": 1.0, "output_throughput": 1.0, "median_itl_ms": 1.0}
-    table = pd.arm_table([base | {"arm": "stock", "latency_ms": 0.0},
+    table = pd_report.arm_table([base | {"arm": "stock", "latency_ms": 0.0},
                           base | {"arm": "plugin", "latency_ms": 0.0, "passes_running": 5,
                                   "sync_ms_running": 0.25, "passes_idle": 2,
                                   "sync_ms_idle": 1.5, "pops_ms_running": 2.0}])  # fmt: skip
@@ -245,11 +245,11 @@ def test_what_a_latency_adds_to_the_sync_is_paired_by_round_within_each_arm(cfg)
               visit("stock", 0.0, 1, 1.0), visit("stock", 3.2, 1, 4.1),
               visit("plugin", 0.0, 0, 1.5), visit("plugin", 3.2, 0, 1.5),
               visit("plugin", 0.0, 1, 0.8), visit("plugin", 3.2, 1, 0.8)]  # fmt: skip
-    rows = {r["arm"]: r for r in pd.sync_rows(cfg, visits)}
+    rows = {r["arm"]: r for r in pd_report.sync_rows(cfg, visits)}
     assert rows["stock"]["added_ms"] == pytest.approx(3.2) and rows["stock"]["n"] == 2
     # differences 3.3 and 3.1: sd 0.1414, t(1) = 12.706, half-width 1.2706
     assert rows["stock"]["low"] == pytest.approx(1.929, abs=1e-3)
     assert rows["plugin"]["added_ms"] == pytest.approx(0.0)
     assert rows["plugin"]["low"] == pytest.approx(0.0) == rows["plugin"]["high"]
-    text = pd.sync_table(list(rows.values()))
+    text = pd_report.sync_table(list(rows.values()))
     assert "stock" in text and "3.200 [" in text
