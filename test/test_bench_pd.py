@@ -218,9 +218,10 @@ def test_pass_times_count_only_what_the_measured_runs_added():
 def test_the_table_shows_sync_times_and_a_dash_for_visits_without_them():
     base = {"round": 0, "startup_s": 1.0, "output_throughput": 1.0, "median_itl_ms": 1.0}
     table = pd_report.arm_table([base | {"arm": "stock", "latency_ms": 0.0},
-                          base | {"arm": "plugin", "latency_ms": 0.0, "passes_running": 5,
-                                  "sync_ms_running": 0.25, "passes_idle": 2,
-                                  "sync_ms_idle": 1.5, "pops_ms_running": 2.0}])  # fmt: skip
+                                 base | {"arm": "plugin", "latency_ms": 0.0,
+                                         "passes_running": 5, "sync_ms_running": 0.25,
+                                         "passes_idle": 2, "sync_ms_idle": 1.5,
+                                         "pops_ms_running": 2.0}])  # fmt: skip
     rows = {line.split()[0]: line.split() for line in table.splitlines()[2:]}
     assert set(rows) == {"stock", "plugin"}
     assert rows["plugin"][-4:-1] == ["0.250", "1.500", "2.000"]

@@ -39,6 +39,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -332,8 +333,7 @@ def run(args) -> int:
         raise ToolError(f"--workload pd runs the arms {', '.join(PD_ARMS)}")
     if cfg["tp"] < 2:
         raise ToolError("--workload pd: --tp is the decode's, and needs 2 or more ranks")
-    workdir = Path(args.workdir) if args.workdir else Path(
-        __import__("tempfile").mkdtemp(prefix="hicache-bench-pd-"))  # fmt: skip
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hicache-bench-pd-"))
     workdir.mkdir(parents=True, exist_ok=True)
     load_at_start, t0 = os.getloadavg(), time.monotonic()
     visits = load_visits(args.from_visits) if args.from_visits else []
@@ -345,9 +345,10 @@ def run(args) -> int:
     rows = ratios(cfg, visits)
     servers = len({(v["round"], v.get("visit", v["arm"] + str(v["latency_ms"]))) for v in visits})
     wall = sum(v["wall_s"] for v in visits) if args.from_visits else time.monotonic() - t0
+    load_at_end = visits[-1]["loadavg_end"] if args.from_visits and visits else os.getloadavg()
     print(f"hicache-async-ack-lab bench-server --workload pd {__version__}: {title_of(cfg)}")
     print(f"host: {os.cpu_count()} CPUs, load average {load_at_start[0]:.2f} at start, "
-          f"{os.getloadavg()[0]:.2f} at end; {servers} decode servers in {wall / 60:.1f} min; "
+          f"{load_at_end[0]:.2f} at end; {servers} decode servers in {wall / 60:.1f} min; "
           f"logs in {workdir}")  # fmt: skip
     print(arm_table(visits))
     print()

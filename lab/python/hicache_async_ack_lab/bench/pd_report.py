@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
-from hicache_async_ack_lab.bench.stats import Claim, paired_ratio, verdict
+from hicache_async_ack_lab.bench.stats import Claim, paired_difference, paired_ratio, verdict
 from hicache_async_ack_lab.bench.summary import render
 
 PD_ARMS = ("stock", "plugin", "bound")
@@ -16,21 +16,31 @@ FIGURES = (("output_throughput", "out tok/s"), ("median_itl_ms", "ITL p50 ms"))
 HEADLINE = 0.95  # plugin at latency / its own 0 ms
 
 
-Spec = tuple[str, tuple, tuple, Optional[Claim]]
+Conf = tuple[str, float]  # (arm, injected latency in ms): one decode server's setting
+Spec = tuple[str, Conf, Conf, Optional[Claim]]
 
 
-def ratio_specs(cfg: dict) -> list[tuple[str, tuple, tuple, Optional[Claim], float]]:
+def conf_of(visit: dict) -> Conf:
+    return visit["arm"], visit["latency_ms"]
+
+
+def confs_of(visits: list[dict]) -> list[Conf]:
+    """The settings the visits ran, by latency, then in PD_ARMS' order."""
+    return sorted({conf_of(v) for v in visits}, key=lambda c: (c[1], PD_ARMS.index(c[0])))
+
+
+def ratio_specs(cfg: dict) -> list[tuple[str, Conf, Conf, Optional[Claim], float]]:
     """(name, numerator, denominator, claim or None: printed only, latency)."""
     arms = set(cfg["arms"])
-    out: list[tuple[str, tuple, tuple, Optional[Claim], float]] = []
+    out: list[tuple[str, Conf, Conf, Optional[Claim], float]] = []
     for lat in cfg["latencies_ms"]:
-        plugin, stock, bnd = ("plugin", lat, None), ("stock", lat, None), ("bound", 0.0, None)
+        plugin, stock, bnd = ("plugin", lat), ("stock", lat), ("bound", 0.0)
         specs: list[Spec] = [("plugin / stock", plugin, stock, None),
                  ("plugin / bound", plugin, bnd, None),
                  ("stock / bound", stock, bnd, None)]  # fmt: skip
         if lat and 0.0 in cfg["latencies_ms"]:
-            specs += [("plugin / own 0 ms", plugin, ("plugin", 0.0, None), Claim(HEADLINE)),
-                      ("stock / own 0 ms", stock, ("stock", 0.0, None), None)]  # fmt: skip
+            specs += [("plugin / own 0 ms", plugin, ("plugin", 0.0), Claim(HEADLINE)),
+                      ("stock / own 0 ms", stock, ("stock", 0.0), None)]  # fmt: skip
         out += [(n, a, b, c, lat) for n, a, b, c in specs if a[0] in arms and b[0] in arms]
     return out
 
@@ -43,7 +53,7 @@ def ratios(cfg: dict, visits: list[dict]) -> list[dict]:
         by: dict = {}
         for v in visits:
             if v.get(key):
-                by.setdefault((v["arm"], v["latency_ms"], None), {})[v["round"]] = v[key]
+                by.setdefault(conf_of(v), {})[v["round"]] = v[key]
         for name, num, den, claim, lat in ratio_specs(cfg):
             a, b = by.get(num, {}), by.get(den, {})
             common = sorted(set(a) & set(b))
@@ -67,10 +77,8 @@ def arm_table(visits: list[dict]) -> str:
     rows: list[tuple[str, ...]] = [("arm", "injected", "rounds", "out tok/s median", "range",
                                     "ITL p50 ms median", "range",
                                     *(c[2] for c in CHECK_COLUMNS), "start-up s")]  # fmt: skip
-    confs = sorted({(v["arm"], v["latency_ms"]) for v in visits},
-                   key=lambda c: (c[1], PD_ARMS.index(c[0])))  # fmt: skip
-    for arm, lat in confs:
-        vs = [v for v in visits if (v["arm"], v["latency_ms"]) == (arm, lat)]
+    for arm, lat in confs_of(visits):
+        vs = [v for v in visits if conf_of(v) == (arm, lat)]
         cells = []
         for key, _ in FIGURES:
             vals = [v[key] for v in vs if v.get(key)]
@@ -89,11 +97,10 @@ def sync_rows(cfg: dict, visits: list[dict]) -> list[dict]:
     """What an injected latency adds to the sync on a pass with a running batch (ms,
     paired by round within one decode server): stock's blocking reduce takes it on
     every such pass; the plugin's wait should not."""
-    from hicache_async_ack_lab.bench.stats import paired_difference
 
     def by_round(arm: str, lat: float) -> dict:
-        same = [v for v in visits if (v["arm"], v["latency_ms"]) == (arm, lat)]
-        return {v["round"]: v["sync_ms_running"] for v in same if v.get("passes_running")}
+        return {v["round"]: v["sync_ms_running"] for v in visits
+                if conf_of(v) == (arm, lat) and v.get("passes_running")}  # fmt: skip
 
     rows = []
     for arm in ("stock", "plugin"):
@@ -146,15 +153,14 @@ def draw_png(path: Path, cfg: dict, visits: list[dict]) -> None:
     from hicache_async_ack_lab.bench.plot import color
 
     colors = {"stock": "blocking", "plugin": "pipelined", "bound": "bound"}
-    confs = sorted({(v["arm"], v["latency_ms"]) for v in visits},
-                   key=lambda c: (c[1], PD_ARMS.index(c[0])))  # fmt: skip
+    confs = confs_of(visits)
     panels = list(FIGURES)
     if any(v.get("passes_running") for v in visits):
         panels.append(("sync_ms_running", "sync ms per pass with a running batch"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.6))
     for ax, (key, label) in zip(axes, panels):
         for i, conf in enumerate(confs):
-            pts = [v[key] for v in visits if (v["arm"], v["latency_ms"]) == conf and v.get(key)]
+            pts = [v[key] for v in visits if conf_of(v) == conf and v.get(key)]
             if pts:
                 ax.bar(i, statistics.median(pts), 0.7, color=color(colors[conf[0]]))
                 ax.plot([i] * len(pts), pts, "k.", markersize=4)
