@@ -20,7 +20,7 @@ from hicache_async_ack import guard, votes
 from hicache_async_ack.env import ENABLE_VAR, PREFETCH_VOTES_VAR
 from hicache_async_ack.features import prefetch_votes
 from hicache_async_ack.stamp import HiCacheAckSyncMismatch
-from hicache_async_ack.votes import ADMIT, HEADER, LAYOUT, PrefetchVoteMismatch
+from hicache_async_ack.votes import ADMIT, HEADER, LAYOUT, REACH, SLOT, PrefetchVoteMismatch
 from hicache_async_ack_lab.sim.prefetch import add_prefetch
 
 UPSTREAM = {ENABLE_VAR: "0"}  # the ack sync stands down (its hooks stay): upstream carries
@@ -85,7 +85,7 @@ def expire_slot(start, index):
     def peer(values):
         out = list(values)
         if len(values) >= start + LAYOUT:
-            out[start + HEADER + ADMIT + index] = votes.REACHED_EXPIRED
+            out[start + HEADER + REACH + ADMIT + SLOT * index] = votes.REACHED_EXPIRED
         return out
 
     return peer
@@ -101,7 +101,7 @@ def test_upstream_carrier_one_reduce_per_pass_replaces_the_per_request_reduces(m
     assert greet[:2] == [1, -1] and greet[2:6] == [0] * 4
     (ride,) = ps.rides
     assert ride[COUNTS + 2 : COUNTS + 4] == [3, -3]  # the section: 3 operations
-    ps.peer = expire_slot(COUNTS + 2, 1)  # slot order is key order: a, b, c -> "b"
+    ps.peer = expire_slot(COUNTS + 2, 0)  # slot order is walk order: b, a, c -> "b"
     out = run_pass(ps)  # pass 2: the walk of pass 1 (every request reached) is voted on
     assert out == {("b", 0): True, ("a", 0): False, ("c", 0): False}
     assert ps.ended == [(("b", 0), "deadline")]
@@ -187,12 +187,12 @@ def test_ranks_that_disagree_on_the_set_stop_before_any_verdict(make_prefetch):
     assert ps.ended == []
 
 
-def test_same_count_other_requests_is_a_mismatch(make_prefetch):
+def test_a_peer_whose_walk_reached_another_request_is_a_mismatch(make_prefetch):
     ps = make_prefetch()
     ps.add("a")
     run_pass(ps)
-    other = votes.pack_stamp(votes.VOTES_PROTOCOL, False, 1, votes.set_digest([("z", 0)]), 0)
-    at = COUNTS + 4
+    other = votes.key_hash(("z", 0))
+    at = COUNTS + 2 + HEADER + REACH + ADMIT + 1  # slot 0's [h, -h]
 
     def peer(v):
         if len(v) != COUNTS + 2 + LAYOUT:
@@ -200,8 +200,9 @@ def test_same_count_other_requests_is_a_mismatch(make_prefetch):
         return v[:at] + [min(v[at], other), min(v[at + 1], -other)] + v[at + 2 :]
 
     ps.peer = peer
-    with pytest.raises(PrefetchVoteMismatch, match="not the same requests"):
+    with pytest.raises(PrefetchVoteMismatch, match="reached different requests at position 1"):
         run_pass(ps)
+    assert ps.ended == []
 
 
 def test_a_peer_with_the_votes_off_stops_at_the_agreement(make_prefetch):
@@ -265,17 +266,28 @@ def test_the_setting_names_its_accepted_values():
         prefetch_votes_enabled({PREFETCH_VOTES_VAR: "maybe"})
 
 
-def test_window_covers_every_operation_when_there_are_more_than_slots():
-    n = votes.VOTE_SLOTS * 2 + 7
-    keys = list(range(n))
-    last: dict = {}
-    seen = set()
-    for p in range(3):  # ceil(n / slots) passes cover all of them
-        w = list(votes.window(keys, last))
-        assert len(w) == votes.VOTE_SLOTS == len(set(w))
-        seen.update(w)
-        last.update({keys[i]: p for i in w})
-    assert seen == set(range(n))
+def test_reaches_past_the_slots_are_decided_by_upstreams_reduce_in_walk_order(make_prefetch):
+    """Past the section's slots the walk asks SGLang's own per-request reduce
+    (counted), and the answer lands with the others, in walk order: a deadline
+    past the slots ends where stock would end it."""
+    ps = make_prefetch()
+    n = votes.VOTE_SLOTS + 5
+    hs = [ps.add(f"r{i:04d}") for i in range(n)]
+    run_pass(ps)  # the first exchange; this walk is the first one voted on
+    assert ps.blocking == [0] * 5 and ps.state.fallbacks == 5
+    late = hs[-1]
+
+    def peer(values):  # the last request's deadline passed on the peer
+        if len(values) == 1:
+            return [1] if ps.blocking and len(ps.blocking) % 5 == 0 else [0]
+        return values
+
+    ps.cache.__dict__["_prefetch_deadline_expired"] = lambda op: op.handle == late
+    out = run_pass(ps)
+    assert out[(late.rid, 0)] is False and ps.state.fallbacks == 10
+    out = run_pass(ps)  # the walk of the last pass lands at this boundary
+    assert out[(late.rid, 0)] is True
+    assert ps.ended == [((late.rid, 0), "deadline")]
 
 
 def test_attention_cp_x_tp_rides_where_one_tp_group_spans_both(make_cache, plugin, this_release):
@@ -309,13 +321,19 @@ class Sink:
     def on_stop(self):
         pass
 
+    fallbacks = 0
+
+    def on_fallback(self):
+        self.fallbacks += 1
+
     def on_failure(self, reason):
         pass
 
 
 def test_metrics_count_the_voted_operations(make_prefetch):
-    """operations_total counts the operations voted on (at most the slots per
-    pass); the wait is the carrier's (the votes add no collective to wait on)."""
+    """operations_total counts the reaches a section carried (at most its slots
+    per pass), fallback_total those past them; the wait is the carrier's (the
+    votes add no collective to wait on)."""
     ps = make_prefetch()
     for i in range(votes.VOTE_SLOTS + 44):
         ps.add(f"r{i:04d}")
@@ -323,4 +341,7 @@ def test_metrics_count_the_voted_operations(make_prefetch):
     for _ in range(4):
         run_pass(ps)
     assert len(sink.passes) == 4
-    assert all(voted == votes.VOTE_SLOTS and wait is None for wait, voted in sink.passes)
+    # the first pass closes the walk before the votes ran (none carried)
+    assert [voted for _, voted in sink.passes] == [0] + [votes.VOTE_SLOTS] * 3
+    assert all(wait is None for wait, _ in sink.passes)
+    assert sink.fallbacks == 44 * 4

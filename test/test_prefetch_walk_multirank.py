@@ -65,9 +65,18 @@ REJECTED = dict(
     short={"1": [4]},
     reject={"0": {"4": ["r1"]}},
 )
+# The same requests, but rank 1 admits r1 with a 2-token prefix (its match took
+# another prefix); then the same with the lengths left out of the check (the
+# negative control: keys only, as before); then a chunked request's next chunk
+# taken with another prefix on rank 1.
+PREFIX = dict(SKEW, name="prefix", short={}, prefix={"1": {"4": {"r1": 2}}})
+PREFIX_KEYS_ONLY = dict(PREFIX, name="prefix_keys_only", control=["keys_only"])
+CHUNKED = dict(
+    SKEW, name="chunked", short={}, chunked={"6": {"rid": "r0", "prefix": [8, 6], "extend": 4}}
+)
 BUFFER_ONLY = dict(DEADLINE, name="deadline_buffer_only", host_memory_mode="buffer_only")
 DEPTH_2 = dict(DEADLINE, name="deadline_depth_2", env={DEPTH_VAR: "2"})
-SPECS = [SATURATED, DEADLINE, SKEW, REJECTED, BUFFER_ONLY, DEPTH_2]
+SPECS = [SATURATED, DEADLINE, SKEW, REJECTED, BUFFER_ONLY, DEPTH_2, PREFIX, CHUNKED]
 # attention CP=2 x TP=2 (world 4): the votes ride the ack sync's one reduce over
 # the TP group, where stock runs two per request (CP group, then attention TP)
 CP_TP = dict(
@@ -79,7 +88,10 @@ CP_TP = dict(
         dict(rid="r1", arrive=1, budget=[9, 9, 9, 1]),
     ],
 )
-CONTROL = [dict(SATURATED, name="saturated_unreached_votes", unreached_votes=True)]
+CONTROL = [
+    dict(SATURATED, name="saturated_unreached_votes", unreached_votes=True),
+    PREFIX_KEYS_ONLY,
+]
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +205,9 @@ def test_ranks_that_admit_differently_stop_by_name_within_two_passes(results):
         err = r.get("error", "")
         assert "AdmissionMismatch" in err, (rank, r.get("traceback"))
         assert r["error_pass"] - 4 <= 2, r["error_pass"]  # the walk of pass 4
-        assert "scheduling pass 5" in err and "SGLang #30760" in err  # the walk after call #5
+        # the walk of pass 4 (passes 0-3 full: no forward ran) builds forward 1's batch
+        assert "scheduling pass of forward 1 (the scheduler's forward_ct" in err, err
+        assert "SGLang #30760" in err
         mine = "rid='r1' (attempt 0)" if rank == 0 else "nothing"
         assert f"request #2 of the batch, where this rank admitted {mine}" in err, err
     # stock runs on, its ranks admitting r1 in different passes: different batches
@@ -201,6 +215,37 @@ def test_ranks_that_admit_differently_stop_by_name_within_two_passes(results):
     clean(stock)
     assert admissions(stock[0]) == {"r0": 4, "r1": 4}
     assert admissions(stock[1]) == {"r0": 4, "r1": 5}
+
+
+R0, R1 = "rid='r0' (attempt 0)", "rid='r1' (attempt 0)"
+
+
+@pytest.mark.parametrize(
+    "name, at, mine",
+    [
+        ("prefix", 4, (f"{R1} with prefix 0", f"{R1} with prefix 2")),
+        ("chunked", 6, (f"{R0} with prefix 8", f"{R0} with prefix 6")),
+    ],
+)  # fmt: skip
+def test_the_same_requests_with_other_lengths_stop_by_name(results, name, at, mine):
+    """The admission check compares (request, prefix, extend): ranks that admit the
+    same requests but take another prefix (or a chunked request's next chunk
+    with another one) stop within depth + 1 passes, naming the request and both
+    lengths; stock runs on."""
+    for rank, r in enumerate(runs(results, "plugin", name)):
+        err = r.get("error", "")
+        assert "AdmissionMismatch" in err, (rank, r.get("traceback"))
+        assert 0 <= r["error_pass"] - at <= 2, r["error_pass"]
+        assert f"where this rank admitted {mine[rank]}" in err, err
+    clean(runs(results, "stock", name))
+
+
+def test_without_the_lengths_the_check_misses_another_prefix(results):
+    """Negative control: the check over keys only (as before) lets ranks run
+    batches that take different prefixes."""
+    per = runs(results, "plugin", "prefix_keys_only")
+    clean(per)
+    assert all(admissions(r) == {"r0": 4, "r1": 4} for r in per)
 
 
 def test_a_request_reached_and_rejected_on_one_rank_only_stops_nothing(results):

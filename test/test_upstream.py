@@ -508,10 +508,19 @@ def fake_wheels(tmp_path, monkeypatch, cache_cls):
         "9.9.8": ast.unparse(ast.parse(cache_file)),
         "9.9.9": drifted_module_source(cache_file, SYNC_QUALNAME, extra_return_field),
     }
+    # the scheduler's modules the votes hook too, as installed
+    import importlib
+
+    others = {
+        m: Path(inspect.getsourcefile(importlib.import_module(m)) or "").read_text()
+        for m in ("sglang.srt.managers.schedule_policy", "sglang.srt.managers.scheduler")
+    }
     for version, text in variants.items():
         with zipfile.ZipFile(wheels / f"sglang-{version}-py3-none-any.whl", "w") as z:
             z.writestr("sglang/srt/mem_cache/unified_radix_cache.py", text)
             z.writestr("sglang/srt/plugins/hook_registry.py", hooks_file)
+            for module, source in others.items():
+                z.writestr(module.replace(".", "/") + ".py", source)
     monkeypatch.setenv("HICACHE_ASYNC_ACK_CACHE", str(tmp_path))
     return wheels
 

@@ -82,6 +82,9 @@ class Consumed:
     # this sync sends none); tails: (token, reduced tail) per reduce, oldest first
     flags: Optional[int] = None
     tails: list = field(default_factory=list)
+    # per reduce consumed, oldest first: (its own pops, its (token, tail) list);
+    # a reduce's pops assume the older ones' are applied first
+    parts: list = field(default_factory=list)
 
 
 def still_queued(agreed: Sequence[object], head: Sequence[object]) -> int:
@@ -357,9 +360,10 @@ class PipelinedAckSync:
         if self.flag_names is not None:
             lo_f, hi_f = reduced[at + 2], -reduced[at + 3]
             out.flags = self._agreed_flags(f"this cache's reduce #{p.step}", p.flags, lo_f, hi_f)
-        if p.tail:
-            out.tails.append((p.token, list(reduced[len(reduced) - p.tail :])))
+        tails = [(p.token, list(reduced[len(reduced) - p.tail :]))] if p.tail else []
+        out.tails += tails
         pops, agreed = out.pops, out.agreed
+        before = dict(pops)
         for name, snap, count in zip(p.names, p.ready, reduced):
             if count:
                 if not 0 <= count <= len(snap):
@@ -374,6 +378,7 @@ class PipelinedAckSync:
             else:
                 pops.setdefault(name, 0)
                 agreed.setdefault(name, 0)
+        out.parts.append(({n: pops[n] - before.get(n, 0) for n in pops}, tails))
         out.issued_step = p.step
         out.reduces += 1
         out.obs_max = hi_x & OBS_MAX

@@ -128,10 +128,15 @@ FAMILIES: dict[str, tuple[tuple[str, int, str, str, Optional[str], tuple], ...]]
          "Time a scheduling pass spent closing its walk into the votes' section.",
          None, ISSUE_BUCKETS),
         ("voted", COUNTER, "sglang:hicache_prefetch_votes_operations",
-         "Storage prefetch operations voted on: one per operation in a pass's "
-         "section (at most its 256 slots per pass).", None, ()),
+         "Storage prefetch reaches voted on: one per request the waiting-queue walk "
+         "reached, carried in a pass's section (at most its 256 slots per pass).", None, ()),
+        ("fallback", COUNTER, "sglang:hicache_prefetch_votes_fallback_reaches",
+         "Reaches past a section's 256 slots in one walk: decided on SGLang's own "
+         "per-request blocking reduce (one collective each), applied with the others.",
+         None, ()),
         ("stopped", COUNTER, "sglang:hicache_prefetch_votes_stopped",
-         "Storage prefetch operations stopped on the group's deadline verdict.", None, ()),
+         "Storage prefetch operations stopped on the group's verdict (deadline, or "
+         "best_effort's reach).", None, ()),
         ("failures", COUNTER, "sglang:hicache_prefetch_votes_failures",
          "Prefetch vote errors: ranks that disagree (mismatch) or a failed collective.",
          "reason", ()),
@@ -279,6 +284,7 @@ class PrefetchVoteMetrics(SyncSeries):
 
     sync = "votes"
     voted: Any
+    fallback: Any
     stopped: Any
 
     def on_pass(self, wait_s: Optional[float], issue_s: float, voted: int) -> None:
@@ -291,6 +297,9 @@ class PrefetchVoteMetrics(SyncSeries):
 
     def on_stop(self) -> None:
         self.stopped.inc()
+
+    def on_fallback(self) -> None:
+        self.fallback.inc()
 
     def on_failure(self, reason: str) -> None:
         self.families["failures"].labels(**self.labels, reason=reason).inc()

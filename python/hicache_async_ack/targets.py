@@ -16,6 +16,8 @@ from .names import ACK, OFFLOAD, SYNCS, VOTES
 CACHE_MODULE = "sglang.srt.mem_cache.unified_radix_cache"
 CACHE_CLASS = f"{CACHE_MODULE}.UnifiedRadixCache"
 MANAGER_MODULE = "sglang.srt.disaggregation.decode_kvcache_offload_manager"
+ADDER_MODULE = "sglang.srt.managers.schedule_policy"
+SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 MANAGER_CLASS = f"{MANAGER_MODULE}.DecodeKVCacheOffloadManager"
 
 ALL = SYNCS
@@ -160,6 +162,90 @@ TARGETS: tuple[Target, ...] = (
         BODY,
         "starts the deadline at the first check that finds the prefetch unfinished "
         "(after the votes' _can_terminate_prefetch answered no)",
+        (VOTES,),
+    ),
+    Target(
+        _URC,
+        "UnifiedRadixCache.prefetch_from_storage",
+        None,
+        BODY,
+        "hooked AROUND: a start whose budget is spent here is started provisionally and "
+        "judged where stock judged it (a decline replayed through it)",
+        (VOTES,),
+    ),
+    Target(
+        _URC,
+        "UnifiedRadixCache.release_aborted_request",
+        ("self", "request"),
+        BODY,
+        "hooked AROUND: an abort inside a held interval runs where its decisions land",
+        (VOTES,),
+    ),
+    Target(
+        _URC,
+        "UnifiedRadixCache.revoke_pending_prefetch",
+        ("self", "request"),
+        BODY,
+        "undoes a provisional start stock would have declined (nothing of it drained yet)",
+        (VOTES,),
+    ),
+    Target(
+        _URC,
+        "UnifiedRadixCache._handle_prefetch_result",
+        ("self", "operation"),
+        BODY,
+        "what a stop keeps: inserts the agreed completed tokens through "
+        "tree_core.insert_host (the node the votes pin until admission)",
+        (VOTES,),
+    ),
+    Target(
+        _URC,
+        "UnifiedRadixCache.reset",
+        ("self",),
+        SIGNATURE,
+        "hooked AFTER: the tree is gone, and the pins with it",
+        (VOTES,),
+    ),
+    Target(
+        _URC,
+        "UnifiedRadixCache.inc_host_lock_ref",
+        ("self", "node_id"),
+        SIGNATURE,
+        "pins the pages a stop inserted",
+        (VOTES,),
+    ),
+    Target(
+        _URC,
+        "UnifiedRadixCache.dec_host_lock_ref",
+        ("self", "node_id", "params"),
+        SIGNATURE,
+        "releases that pin",
+        (VOTES,),
+    ),
+    Target(
+        ADDER_MODULE,
+        "PrefillAdder._account_prefill_cache_admission",
+        ("self", "req", "prefix_len"),
+        BODY,
+        "hooked AFTER: the adder calls it for every request it admits, in order, with "
+        "its prefix length (the admission check)",
+        (VOTES,),
+    ),
+    Target(
+        ADDER_MODULE,
+        "PrefillAdder.add_chunked_req",
+        ("self", "req"),
+        BODY,
+        "hooked AFTER: a chunked request's next chunk joins the batch here",
+        (VOTES,),
+    ),
+    Target(
+        SCHEDULER_MODULE,
+        "Scheduler._process_hicache_events",
+        None,
+        BODY,
+        "hooked BEFORE: the pass boundary, where the scheduler's forward count is read "
+        "for the messages",
         (VOTES,),
     ),
     Target(

@@ -11,6 +11,7 @@ sections after part 2 and add the next ones in part 5.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Hashable, Optional
 
 from ..core import Consumed
@@ -67,9 +68,10 @@ def upstream_counts(consumed: Optional[Consumed]):
     return pops[ACK_QUEUES[0]], pops[ACK_QUEUES[1]], storage, extra
 
 
-def pop_agreed(cache, consumed: Consumed) -> None:
-    """Pop a consumed agreement through upstream's own methods (stand-down path)."""
-    write, load, storage, extra = upstream_counts(consumed)
+def pop_agreed(cache, pops: dict) -> None:
+    """Pop an agreement's counts through upstream's own methods (the stand-down
+    path, and the older reduces of a step that consumes several)."""
+    write, load, storage, extra = upstream_counts(Consumed(pops, {}, 0))
     cache.writing_check(finish_count=write)
     cache.loading_check(finish_count=load)
     if cache.enable_storage and storage:
@@ -98,8 +100,10 @@ def check_hicache_events(state, cache, original, *args, **kwargs):
             if drained is not None:
                 if drained.depth_change is not None:  # moved while standing down
                     state.depth_changed(*drained.depth_change, pipelined=False)
-                take_sections(state, cache, drained)
-                pop_agreed(cache, drained)
+                adopt_layout(state, drained)
+                for pops, tails in drained.parts:  # each reduce's sections, then its pops
+                    take_sections(state, cache, tails)
+                    pop_agreed(cache, pops)
                 for rider in state.riders:
                     rider.after_pops(cache)
         return original(cache, *args, **kwargs)
@@ -154,7 +158,16 @@ def pipelined_step(state, cache, original, *args, **kwargs):
     if due is not None:
         if due.depth_change is not None:
             state.depth_changed(*due.depth_change)
-        take_sections(state, cache, due)
+        adopt_layout(state, due)
+        # Several reduces when the depth was lowered: each one's sections are read
+        # (and their decisions made) before its own pops, as stock ordered them.
+        for pops, tails in due.parts[:-1]:
+            take_sections(state, cache, tails)
+            pop_agreed(cache, pops)
+        newest, tails = due.parts[-1]
+        take_sections(state, cache, tails)
+        if len(due.parts) > 1:
+            state.due = replace(due, pops=newest)  # upstream pops the newest's alone
     state.due_taken = False
     state.in_pipelined_step = True
     try:
@@ -184,13 +197,17 @@ def pipelined_step(state, cache, original, *args, **kwargs):
     return result
 
 
-def take_sections(state, cache, consumed: Consumed) -> None:
-    """Hand each rider its reduced sections, oldest first, and adopt the newest
-    agreed layout (every rank consumes the same reduces at the same step, so
-    every rank switches layout at the same step)."""
+def adopt_layout(state, consumed: Consumed) -> None:
+    """The newest agreed layout (every rank consumes the same reduces at the
+    same step, so every rank switches layout at the same step)."""
     if consumed.flags is not None:
         state.layout = consumed.flags
-    for tokens, reduced in consumed.tails:
+
+
+def take_sections(state, cache, tails: list) -> None:
+    """Hand each rider its reduced sections of one reduce (before its pops: a
+    rider may raise, or make decisions that belong before them)."""
+    for tokens, reduced in tails:
         at = 0
         for rider, token, width in tokens:
             rider.take(cache, token, reduced[at : at + width])

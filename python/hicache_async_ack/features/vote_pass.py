@@ -1,7 +1,8 @@
 """The prefetch votes' scheduling pass on SGLang's UnifiedRadixCache: the
 boundary (pick the carrier, run the votes' own first exchange where upstream
-carries them, end what the verdicts stopped), the section riding upstream's
-blocking reduce, and the walk's answer in ``_can_terminate_prefetch``.
+carries them, run what an interval no section carried held back), the walk's
+answer in ``_can_terminate_prefetch``, and the section riding upstream's
+blocking reduce.
 
 Riding upstream's blocking reduce: with the ack sync on SGLang's path (host
 memory mode ``buffer_only``), ``_sync_hicache_ready_counts`` still runs one
@@ -9,9 +10,10 @@ blocking MIN all_reduce per pass through the cache's ``_all_reduce``. For the
 length of that call, ``_all_reduce`` is shadowed on the instance, and its first
 MIN of a 1-D int64 tensor (the ready counts: the only reduce that method runs
 at pp_size 1) is reduced with the section appended; upstream gets its own
-values back in place and never sees the rest. Only after every rank's first
-exchange has shown that every rank runs the plugin: a stock peer's reduce
-would pair with a longer one, and gloo aborts on that.
+values back in place and never sees the rest. The verdicts are applied right
+there, before upstream pops. Only after every rank's first exchange has shown
+that every rank runs the plugin: a stock peer's reduce would pair with a
+longer one, and gloo aborts on that.
 """
 
 from __future__ import annotations
@@ -21,14 +23,12 @@ from typing import Callable, Sequence
 from ..kit.collectives import upstream_count_slots
 from ..stamp import Stamp, describe_mismatch, pack_stamp, stamps_differ
 from ..votes import VOTE_SLOTS, VOTES_PROTOCOL, PrefetchVoteError, PrefetchVoteMismatch
+from . import vote_apply
+from .vote_apply import operation_key
 
 RIDE_ACK, RIDE_UPSTREAM = "ack", "upstream"  # the carriers (PrefetchVoteState.mode)
-TIMEOUT_POLICY = "timeout"
+TIMEOUT_POLICY, BEST_EFFORT = "timeout", "best_effort"
 ALL_REDUCE = "_all_reduce"
-
-
-def operation_key(handle) -> tuple:
-    return (handle.rid, handle.attempt_id)
 
 
 # ----------------------------------------------------------------- the boundary
@@ -48,57 +48,39 @@ def begin_pass(state, cache, carrier) -> None:
 
 
 def end_pass(state, cache) -> None:
-    """After check_hicache_events: with upstream's carrier, end what the
-    section read this pass stopped (after upstream's pops); a walk no section
-    carried is dropped (its requests were judged on upstream's path)."""
-    if state.mode == RIDE_UPSTREAM:
-        apply_verdicts(state, cache)
+    """After check_hicache_events: an interval no section carried runs what it
+    held back now (its reaches were not voted on: the next walk reaches those
+    requests again, on whichever path the cache is then)."""
     if state.closed_at != state.passes:
         state.no_section(cache)
     state.announce(state.decide(cache))
 
 
-def apply_verdicts(state, cache) -> None:
-    """End, at the pass boundary and after upstream's pops, every ongoing
-    operation the group voted to stop, in key order, through upstream's own
-    check_prefetch_progress (its _can_terminate_prefetch answers yes for it):
-    every rank ends the same operations the same way in the same pass,
-    however far its walk gets this pass. An operation that completed meanwhile
-    (its read's ack drained first) ended by completion, as in stock."""
-    taken, state.taken = state.taken, []
-    for verdicts in taken:
-        due = [h for h, info in cache.ongoing_prefetch.items() if verdicts(info.operation)]
-        for handle in sorted(due, key=operation_key):
-            info = cache.ongoing_prefetch.get(handle)
-            if info is None or not verdicts(info.operation):
-                continue  # ended by an earlier one's bookkeeping
-            state.applying = info.operation
-            try:
-                cache.check_prefetch_progress(handle)
-            finally:
-                state.applying = None
-
-
 def verdict(state, cache, original: Callable, operation, *a, **kw):
-    """_can_terminate_prefetch: while this walk is voted on, note that it reached
-    the operation and what this rank's deadline says, and answer "not yet" (the
-    group's verdict ends it at a coming boundary); at the boundary, yes for the
-    operation a verdict ends; anywhere else, upstream's."""
+    """_can_terminate_prefetch: while the boundary applies a stop, yes for that
+    operation; in a walk whose interval a section will carry, note the reach
+    (this rank's vote) and answer "not yet"; anywhere else, upstream's."""
+    if state is not None and state.applying is not None:
+        return state.applying is operation
+    policy = cache.prefetch_stop_policy
     if (
         state is None
         or not state.active
-        or cache.prefetch_stop_policy != TIMEOUT_POLICY
+        or policy not in (TIMEOUT_POLICY, BEST_EFFORT)
         or cache.pp_size != 1
     ):
         return original(cache, operation, *a, **kw)
-    if state.applying is not None:
-        stop = state.applying is operation
-        if stop:
-            state.stopped += 1
-            if state.metrics is not None:
-                state.metrics.on_stop()
-        return stop
-    state.book.poll(operation, state.vote(cache, operation))
+    expired = True if policy == BEST_EFFORT else state.vote(cache, operation)
+    key = operation_key(operation.handle)
+    if not state.book.poll(key, operation, expired):
+        # Past the section's slots: SGLang's own per-request reduce decides it
+        # here (every rank reaches the same requests in the same order), and the
+        # answer is applied with the others, in walk order.
+        decided = bool(original(cache, operation, *a, **kw))
+        state.book.poll(key, operation, expired, decided=decided)
+        state.fallbacks += 1
+        if state.metrics is not None:
+            state.metrics.on_fallback()
     return False
 
 
@@ -143,7 +125,7 @@ def first_exchange(state, cache, hints) -> None:
 
 def ride_upstream(state, cache, original: Callable, *a, **kw):
     """_sync_hicache_ready_counts with upstream's carrier: the section rides its
-    blocking reduce, read back before upstream pops anything."""
+    blocking reduce, and the interval's decisions land before upstream pops."""
     if (
         state is None
         or state.mode != RIDE_UPSTREAM
@@ -198,3 +180,10 @@ def ride_ready_counts(cache, original: Callable, values: Sequence[int], *args, *
             "stopping before any verdict"
         )
     return result, reduced[0]
+
+
+def run_held(state, cache, deferred) -> None:
+    """Run an interval's held-back calls now (no section carried it)."""
+    from ..votes import Verdicts
+
+    vote_apply.apply(state, cache, Verdicts(0, [(d.seq, "deferred", d.what) for d in deferred]))

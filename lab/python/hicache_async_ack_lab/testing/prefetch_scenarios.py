@@ -80,11 +80,11 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
     out: dict = {"events": {}}
     total = spec["passes"] + spec.get("drain", 40)
     p = 0
-    from hicache_async_ack.features import vote_pass
+    from hicache_async_ack.features import vote_apply, vote_pass
 
-    applied, answer = vote_pass.apply_verdicts, vote_pass.verdict
+    applied, answer = vote_apply.apply, vote_pass.verdict
     if spec.get("loop_only_verdicts"):
-        vote_pass.apply_verdicts, vote_pass.verdict = loop_only(applied, answer)
+        vote_apply.apply, vote_pass.verdict = loop_only(applied, answer)
     try:
         for p in range(total):
             clock.now = p
@@ -149,7 +149,7 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
         out["traceback"] = traceback.format_exc()
         out["error_pass"] = p
     finally:
-        vote_pass.apply_verdicts, vote_pass.verdict = applied, answer
+        vote_apply.apply, vote_pass.verdict = applied, answer
     from hicache_async_ack.features.prefetch_votes import FEATURE
 
     state = FEATURE.state_of(cache)
@@ -165,17 +165,20 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
     return out
 
 
-def loop_only(apply_verdicts, verdict):
-    """The negative control's pair: verdicts kept instead of applied at the
+def loop_only(apply, verdict):
+    """The negative control's pair: stops kept instead of applied at the
     boundary, and answered where the walk reaches their operation."""
+    from hicache_async_ack.votes import Verdicts
+
     kept: list = []
 
-    def keep(state, cache):
-        kept.extend(state.taken)
-        state.taken = []
+    def keep(state, cache, verdicts):
+        kept.extend(verdicts.stops())
+        rest = [e for e in verdicts.entries if e[1] != "reach"]
+        apply(state, cache, Verdicts(verdicts.pass_no, rest))
 
     def answer(state, cache, original, operation, *a, **kw):
-        if state is not None and state.active and any(v(operation) for v in kept):
+        if state is not None and state.active and any(op is operation for op in kept):
             state.stopped += 1
             return True
         return verdict(state, cache, original, operation, *a, **kw)

@@ -22,10 +22,14 @@ finishes; either an int or one per rank), capacity (requests admitted per
 pass, default all), full ([pass, ...]: the batch is full before the walk, on
 every rank), short ({rank: [pass, ...]}: that rank's walk stops one request
 earlier, SGLang #30760), reject ({rank: {pass: [rid, ...]}}: ``add_one_req``
-rejects it there), host_memory_mode, cp (attention CP inside the TP group, laid
-out as SGLang does), env / rank_env, unreached_votes (bool: the negative
-control, every ongoing operation voted on at the boundary whether the walk
-reached it or not, as before the fix).
+rejects it there), prefix ({rank: {pass: {rid: n}}}: the prefix length that
+rank admits it with), chunked ({pass: {rid, prefix: [per rank], extend}}: a
+chunked request's next chunk joins the batch first, through
+``PrefillAdder.add_chunked_req``), host_memory_mode, cp (attention CP inside
+the TP group, laid out as SGLang does), env / rank_env, unreached_votes (bool:
+the negative control, every ongoing operation voted on at the boundary whether
+the walk reached it or not, as before the fix), control (the plugin with one
+guarantee taken out: :mod:`.diff_controls`).
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ import traceback
 from types import SimpleNamespace
 
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR, PREFETCH_VOTES_VAR
+from hicache_async_ack_lab.sim.admission import SchedulerShim, adder_for, admit
 from hicache_async_ack_lab.sim.cache import build_cache
 from hicache_async_ack_lab.sim.prefetch import add_prefetch
+from hicache_async_ack_lab.testing import diff_controls
 from hicache_async_ack_lab.testing.spec_ranks import run_specs
 
 VARS = (ENABLE_VAR, PREFETCH_VOTES_VAR, DEPTH_VAR)
@@ -123,12 +129,17 @@ def build(spec: dict, rank: int, world: int, group, clock, calls: list):
 def vote_unreached(state, cache) -> None:
     """The negative control: before each section, every ongoing operation counts
     as reached with this rank's deadline now (the votes before the fix)."""
+    from hicache_async_ack.features.vote_apply import operation_key
+
     close = state.book.close
 
-    def close_all(ops):
-        for _, op in ops:
-            state.book.poll(op, state.vote(cache, op))
-        return close(ops)
+    def close_all(n, policy, label=""):
+        reached = {id(r.op) for r in state.book.reaches}
+        for h in sorted(cache.ongoing_prefetch, key=operation_key):
+            op = cache.ongoing_prefetch[h].operation
+            if id(op) not in reached:
+                state.book.poll(operation_key(h), op, state.vote(cache, op))
+        return close(n, policy, label)
 
     state.book.close = close_all
 
@@ -142,6 +153,9 @@ def walk(spec: dict, rank: int, p: int, cache, ps, handles: dict, waiting: list)
         cap = max(0, min(cap, len(waiting)) - 1)
     rejected = set(spec.get("reject", {}).get(str(rank), {}).get(str(p), ()))
     admitted: list = []
+    chunk = spec.get("chunked", {}).get(str(p))
+    if chunk is not None and cap > 0:  # the chunked request's next chunk goes first
+        continue_chunk(cache, chunk, rank, handles)
     for rid in list(waiting):
         if len(admitted) >= cap:
             break  # batch_is_full: before the check
@@ -150,10 +164,33 @@ def walk(spec: dict, rank: int, p: int, cache, ps, handles: dict, waiting: list)
             continue  # its prefetch is not done: stays waiting
         if rid in rejected:
             break  # add_one_req said no: the walk stops
-        cache.finish_storage_prefetch_admission(h, fulfilled_tokens=0, reason=None)
+        admit(adder_for(cache), h, prefix(spec, rank, p, rid))
         admitted.append(rid)
         waiting.remove(rid)
     return admitted
+
+
+def continue_chunk(cache, chunk: dict, rank: int, handles: dict) -> None:
+    """``PrefillAdder.add_chunked_req`` (SGLang's own, returning early here: no
+    memory budget to fit) for a request whose next chunk joins the batch with
+    this rank's prefix length (``chunked``: {pass: {rid, prefix: [per rank],
+    extend}})."""
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+    from hicache_async_ack_lab.sim.admission import AdmittedReq
+
+    before = per_rank(chunk["prefix"], rank)
+    req = AdmittedReq(handles[chunk["rid"]], before, None, before + chunk.get("extend", 4))
+    budget = SimpleNamespace(available_chunk_tokens=lambda rem: None)
+    adder = SimpleNamespace(tree_cache=cache, dllm_config=None, memory_budget=budget,
+                            rem_chunk_tokens=None, can_run_list=[req])  # fmt: skip
+    PrefillAdder.add_chunked_req(adder, req)
+
+
+def prefix(spec: dict, rank: int, p: int, rid: str) -> int:
+    """The prefix length this rank admits ``rid`` with at pass ``p`` (``prefix``:
+    {rank: {pass: {rid: n}}}, a rank whose match took another prefix)."""
+    return int(spec.get("prefix", {}).get(str(rank), {}).get(str(p), {}).get(rid, 0))
 
 
 def run_walk(spec: dict, rank: int, world: int, group) -> dict:
@@ -161,39 +198,43 @@ def run_walk(spec: dict, rank: int, world: int, group) -> dict:
     calls = [0, 0]  # async issues, blocking _all_reduce calls
     sim, ps = build(spec, rank, world, group, clock, calls)
     cache = sim.cache
+    scheduler = SchedulerShim(cache)
     handles: dict = {}
     waiting: list = []
     reads: list = []  # (pass, operation, queue)
     per_pass: list = []
     out: dict = {"plugin": plugin_loaded(cache)}
     p = 0
+    controls = spec.get("control", []) if out["plugin"] else []
     try:
-        for p in range(spec["passes"]):
-            clock.now = p
-            before, mark = len(ps.ended), list(calls)
-            for r in spec["requests"]:
-                if r["arrive"] == p:
-                    h = handles[r["rid"]] = ps.add(r["rid"])
-                    op = cache.ongoing_prefetch[h].operation
-                    op.test_budget = per_rank(r.get("budget", ALL), rank)
-                    finish = per_rank(r.get("finish"), rank)
-                    if finish is not None:
-                        reads.append((finish, op, ps.read_queue()))
-                    waiting.append(r["rid"])
-            for due in [x for x in reads if x[0] <= p]:
-                reads.remove(due)
-                ps.complete(due[1], due[2])
-            cache.check_hicache_events()
-            admitted = walk(spec, rank, p, cache, ps, handles, waiting)
-            per_pass.append(
-                {
-                    "ended": [[list(k), why] for k, why in ps.ended[before:]],
-                    "admitted": admitted,
-                    "async": calls[0] - mark[0],
-                    "blocking": calls[1] - mark[1],
-                    "waiting": len(waiting),
-                }
-            )
+        with diff_controls.controls(controls, cache):
+            for p in range(spec["passes"]):
+                clock.now = p
+                before, mark = len(ps.ended), list(calls)
+                for r in spec["requests"]:
+                    if r["arrive"] == p:
+                        h = handles[r["rid"]] = ps.add(r["rid"])
+                        op = cache.ongoing_prefetch[h].operation
+                        op.test_budget = per_rank(r.get("budget", ALL), rank)
+                        finish = per_rank(r.get("finish"), rank)
+                        if finish is not None:
+                            reads.append((finish, op, ps.read_queue()))
+                        waiting.append(r["rid"])
+                for due in [x for x in reads if x[0] <= p]:
+                    reads.remove(due)
+                    ps.complete(due[1], due[2])
+                scheduler.boundary()  # check_hicache_events, through the scheduler's method
+                admitted = walk(spec, rank, p, cache, ps, handles, waiting)
+                scheduler.forward_ct += bool(admitted)  # a batch ran
+                per_pass.append(
+                    {
+                        "ended": [[list(k), why] for k, why in ps.ended[before:]],
+                        "admitted": admitted,
+                        "async": calls[0] - mark[0],
+                        "blocking": calls[1] - mark[1],
+                        "waiting": len(waiting),
+                    }
+                )
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["traceback"] = traceback.format_exc()
