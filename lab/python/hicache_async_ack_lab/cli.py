@@ -1,6 +1,6 @@
 """``hicache-async-ack-lab`` command line: ``bench``, ``bench-server``,
-``cpu-server``, ``mooncake-master`` and ``upstream-patch``: what measures and
-demonstrates the plugin, never loaded by it."""
+``cpu-server``, ``mooncake-master``, ``upstream-patch`` and ``differential``:
+what measures, demonstrates and checks the plugin, never loaded by it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from hicache_async_ack_lab.bench import driver as bench
 from hicache_async_ack_lab.bench import server as bench_server
 from hicache_async_ack_lab.cpu_server import cli as cpu_server
 from hicache_async_ack_lab.cpu_server import mooncake
+from hicache_async_ack_lab.testing import diff_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
             cpu_server.add_parser,
             mooncake.add_parser,
             upstream_patch.add_parser,
+            diff_cli.add_parser,
         ],
     )
 

@@ -17,7 +17,14 @@ from .ranks import RanksFailed
 
 # The lab's commands: named here (not imported) so a runtime-only install says
 # where they went instead of argparse's bare "invalid choice".
-LAB_COMMANDS = ("bench", "bench-server", "cpu-server", "mooncake-master", "upstream-patch")
+LAB_COMMANDS = (
+    "bench",
+    "bench-server",
+    "cpu-server",
+    "mooncake-master",
+    "upstream-patch",
+    "differential",
+)
 LAB_PROG = "hicache-async-ack-lab"
 
 

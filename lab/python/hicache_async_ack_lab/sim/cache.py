@@ -257,16 +257,19 @@ def build_cache(
     extra_pools: tuple[str, ...] = (),
     host_memory_mode: str = "cache",
     metrics_labels: Optional[dict] = None,
+    cc: Optional[SimController] = None,
+    tree: Optional[SimTreeCore] = None,
 ) -> SimCache:
     """A real UnifiedRadixCache wired to a SimController. ``metrics_labels``
     stand for --enable-metrics: the cache gets a metrics collector carrying them
     (SGLang's RadixCacheMetricsCollector registers its families once per process,
     and the plugin reads only its labels; simulated acks carry no sizes or
-    timings, so upstream never records into it)."""
+    timings, so upstream never records into it). ``cc`` and ``tree`` replace the
+    simulated controller and tree (the prefetch lifecycle's, :mod:`.lifecycle`)."""
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    cc = SimController(extra_pools)
-    tree = SimTreeCore()
+    cc = SimController(extra_pools) if cc is None else cc
+    tree = SimTreeCore() if tree is None else tree
     cache = object.__new__(UnifiedRadixCache)
     d = cache.__dict__
     d.update(

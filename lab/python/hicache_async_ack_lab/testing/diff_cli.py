@@ -1,0 +1,109 @@
+"""``hicache-async-ack-lab differential``: stock SGLang against the plugin on N
+random prefetch-lifecycle scenarios (or one to replay), over real gloo at TP=2,
+request by request (:mod:`.diff_compare`); prints how many differ and the
+first difference as a scenario to replay."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from hicache_async_ack.tools.options import ToolError
+
+SUMMARY = "stock vs the plugin, request by request, on random prefetch scenarios"
+DESCRIPTION = (
+    SUMMARY + ". Each scenario (arrivals, hit answers, read progress, deadlines, aborts, "
+    "requeues, full batches, more than 256 ongoing, depth 1 and 2, every stop policy and "
+    "host memory mode) runs on SGLang's real UnifiedRadixCache at TP=2 over real gloo, "
+    "once with the plugin and once without; every request's outcome must be stock's, "
+    "its admission at most depth + 1 passes later."
+)
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("differential", help=SUMMARY, description=DESCRIPTION)
+    p.add_argument(
+        "--scenarios",
+        type=int,
+        default=200,
+        metavar="N",
+        help="how many random scenarios (default 200)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
+    p.add_argument(
+        "--crowd-every",
+        type=int,
+        default=50,
+        metavar="K",
+        help="every K-th scenario holds more than 256 ongoing prefetches (default 50; 0: none)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=250,
+        metavar="B",
+        help="scenarios per rank launch (default 250)",
+    )
+    p.add_argument(
+        "--replay",
+        metavar="FILE",
+        help="run the scenario(s) in FILE (a JSON object or list) instead",
+    )
+    p.add_argument(
+        "--first", metavar="FILE", help="write the first scenario that differs there (JSON)"
+    )
+    p.add_argument(
+        "--show",
+        type=int,
+        default=6,
+        metavar="M",
+        help="differences shown for the first scenario that differs (default 6)",
+    )
+    p.set_defaults(func=run)  # fmt: skip
+    return p
+
+
+def load(path: str) -> list[dict]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ToolError(f"--replay {path}: not a readable JSON scenario ({exc})") from exc
+    specs = data if isinstance(data, list) else [data]
+    if not specs or not all(isinstance(s, dict) and "requests" in s for s in specs):
+        raise ToolError(f"--replay {path}: expected a scenario object or a list of them")
+    return specs
+
+
+def run(args) -> int:
+    from hicache_async_ack_lab.testing import diff_compare, diff_gen
+
+    if args.replay:
+        specs = load(args.replay)
+    else:
+        if args.scenarios < 1 or args.batch < 1:
+            raise ToolError("--scenarios and --batch take a positive count")
+        specs = diff_gen.draw_scenarios(args.scenarios, args.seed, args.crowd_every)
+    t0 = time.monotonic()
+    bad: list = []
+    seen: dict = {}
+    for at in range(0, len(specs), args.batch):
+        part = specs[at : at + args.batch]
+        stock, plugin = diff_compare.run_arms(part, timeout_s=120.0 + 3.0 * len(part))
+        bad += diff_compare.judge(part, stock, plugin)
+        for k, v in diff_compare.coverage(part, stock, plugin).items():
+            seen[k] = seen.get(k, 0) + v
+        done = at + len(part)
+        print(f"differential: {done}/{len(specs)} run, {len(bad)} differ "
+              f"({time.monotonic() - t0:.0f} s)", flush=True)  # fmt: skip
+    print(f"differential: {len(specs)} scenarios, {len(bad)} differ from stock "
+          f"(seed {args.seed}, {time.monotonic() - t0:.0f} s)")  # fmt: skip
+    print("differential: exercised: " + ", ".join(f"{k} {v}" for k, v in seen.items()))
+    if bad:
+        spec, diffs = bad[0]
+        print(diff_compare.replay_text(spec, diffs, args.show))
+        if args.first:
+            Path(args.first).write_text(json.dumps(spec, indent=1))
+            print(f"differential: the first one is in {args.first}")
+    return 1 if bad else 0
