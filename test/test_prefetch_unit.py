@@ -19,6 +19,7 @@ import torch
 from hicache_async_ack import guard, votes
 from hicache_async_ack.env import ENABLE_VAR, PREFETCH_VOTES_VAR
 from hicache_async_ack.features import prefetch_votes
+from hicache_async_ack.names import LOGGER_NAME
 from hicache_async_ack.stamp import HiCacheAckSyncMismatch
 from hicache_async_ack.votes import ADMIT, HEADER, LAYOUT, REACH, SLOT, PrefetchVoteMismatch
 from hicache_async_ack_lab.sim.prefetch import add_prefetch
@@ -266,15 +267,20 @@ def test_the_setting_names_its_accepted_values():
         prefetch_votes_enabled({PREFETCH_VOTES_VAR: "maybe"})
 
 
-def test_reaches_past_the_slots_are_decided_by_upstreams_reduce_in_walk_order(make_prefetch):
+def test_reaches_past_the_slots_are_decided_by_upstreams_reduce_in_walk_order(
+    make_prefetch, caplog
+):
     """Past the section's slots the walk asks SGLang's own per-request reduce
-    (counted), and the answer lands with the others, in walk order: a deadline
-    past the slots ends where stock would end it."""
+    (counted, and said once in the log), and the answer lands with the others,
+    in walk order: a deadline past the slots ends where stock would end it."""
     ps = make_prefetch()
     n = votes.VOTE_SLOTS + 5
     hs = [ps.add(f"r{i:04d}") for i in range(n)]
-    run_pass(ps)  # the first exchange; this walk is the first one voted on
+    with caplog.at_level("WARNING", logger=LOGGER_NAME):
+        run_pass(ps)  # the first exchange; this walk is the first one voted on
     assert ps.blocking == [0] * 5 and ps.state.fallbacks == 5
+    said = [r.getMessage() for r in caplog.records if "past the section's" in r.getMessage()]
+    assert len(said) == 1 and "fallback_reaches_total" in said[0], said
     late = hs[-1]
 
     def peer(values):  # the last request's deadline passed on the peer
@@ -285,6 +291,7 @@ def test_reaches_past_the_slots_are_decided_by_upstreams_reduce_in_walk_order(ma
     ps.cache.__dict__["_prefetch_deadline_expired"] = lambda op: op.handle == late
     out = run_pass(ps)
     assert out[(late.rid, 0)] is False and ps.state.fallbacks == 10
+    assert len([r for r in caplog.records if "past the section's" in r.getMessage()]) == 1
     out = run_pass(ps)  # the walk of the last pass lands at this boundary
     assert out[(late.rid, 0)] is True
     assert ps.ended == [((late.rid, 0), "deadline")]

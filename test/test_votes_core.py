@@ -114,19 +114,18 @@ def test_best_effort_stops_what_every_rank_reached():
     assert all(stops(v) == ["x"] for v in closed(books, n=2, policy="best_effort"))
 
 
-def test_different_ongoing_counts_stop_before_any_verdict():
+@pytest.mark.parametrize(
+    "mine, theirs, said",
+    [
+        ((3, "timeout"), (2, "timeout"), "number of ongoing storage prefetch"),
+        ((1, "timeout"), (1, "best_effort"), "prefetch policy differs"),
+    ],
+)
+def test_different_ongoing_counts_or_policies_stop_before_any_verdict(mine, theirs, said):
     a, b = VoteBook(), VoteBook()
-    va, ba = a.close(3, "timeout")
-    vb, _ = b.close(2, "timeout")
-    with pytest.raises(PrefetchVoteMismatch, match="number of ongoing storage prefetch"):
-        a.read(ba, reduced(va, vb))
-
-
-def test_different_policies_stop_before_any_verdict():
-    a, b = VoteBook(), VoteBook()
-    va, ba = a.close(1, "timeout")
-    vb, _ = b.close(1, "best_effort")
-    with pytest.raises(PrefetchVoteMismatch, match="prefetch policy differs"):
+    va, ba = a.close(*mine)
+    vb, _ = b.close(*theirs)
+    with pytest.raises(PrefetchVoteMismatch, match=said):
         a.read(ba, reduced(va, vb))
 
 

@@ -43,10 +43,11 @@ DEPTH_AUTO = "auto"
 ALLOW_UNTESTED_VAR = "SGLANG_HICACHE_ASYNC_ACK_ALLOW_UNTESTED"
 ALLOW_UNTESTED_DEFAULT = False
 
-# SGLANG_ENABLE_HICACHE_ASYNC_PREFETCH_VOTES: with a storage backend under the `timeout`
-# prefetch policy, decide every ongoing prefetch's deadline with one async vote reduce
-# per scheduling pass (consumed at the next) instead of one blocking MAX all_reduce per
-# waiting request. Default on; a false spelling keeps SGLang's per-request reduce.
+# SGLANG_ENABLE_HICACHE_ASYNC_PREFETCH_VOTES: with a storage backend, decide the
+# deadlines the waiting-queue walk reaches with a section riding the pass's one reduce
+# instead of one blocking MAX all_reduce per waiting request, and make every prefetch
+# decision of the pass where that section is read back (stock's outcome, depth + 1
+# passes late). Default on; a false spelling keeps SGLang's per-request reduce.
 # Only read while the plugin is on (ENABLE_VAR); set it identically on every node.
 PREFETCH_VOTES_VAR = "SGLANG_ENABLE_HICACHE_ASYNC_PREFETCH_VOTES"
 PREFETCH_VOTES_DEFAULT = True

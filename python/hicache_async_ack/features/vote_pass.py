@@ -81,7 +81,27 @@ def verdict(state, cache, original: Callable, operation, *a, **kw):
         state.fallbacks += 1
         if state.metrics is not None:
             state.metrics.on_fallback()
+        if state.fallbacks == 1:
+            say_fallback(state)
     return False
+
+
+def say_fallback(state) -> None:
+    """Once per cache: a walk reached more requests than a section carries."""
+    import logging
+
+    from ..names import LOGGER_NAME
+
+    logging.getLogger(LOGGER_NAME).warning(
+        "HiCache prefetch votes: the waiting-queue walk of scheduling pass %s reached "
+        "more than %d requests with an ongoing storage prefetch; the reaches past the "
+        "section's %d slots are decided on SGLang's own per-request all_reduce, at the "
+        "walk, and applied with the others in walk order (counted in "
+        "sglang:hicache_prefetch_votes_fallback_reaches_total; said once per cache)",
+        state.label or f"#{state.book.walks}",
+        VOTE_SLOTS,
+        VOTE_SLOTS,
+    )
 
 
 # ------------------------------------------------------- upstream's carrier

@@ -73,6 +73,15 @@ def load(path: str) -> list[dict]:
     specs = data if isinstance(data, list) else [data]
     if not specs or not all(isinstance(s, dict) and "requests" in s for s in specs):
         raise ToolError(f"--replay {path}: expected a scenario object or a list of them")
+    from hicache_async_ack_lab.testing.diff_controls import CONTROLS
+
+    for spec in specs:  # before any rank starts
+        unknown = sorted(set(spec.get("control", [])) - set(CONTROLS))
+        if unknown:
+            raise ToolError(
+                f"--replay {path}: scenario {spec.get('name')!r}: unknown control(s) "
+                f"{unknown}; accepted: {', '.join(CONTROLS)}"
+            )
     return specs
 
 
