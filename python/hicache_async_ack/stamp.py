@@ -22,7 +22,10 @@ from typing import Callable, Mapping, Protocol, Sequence
 # The wire protocol of the pipelined reduce: bump it whenever what a reduce
 # means changes (its layout, the stamp, when it is consumed). Its place at the
 # top of the stamp never moves, so any two versions can tell they differ.
-PROTOCOL_VERSION = 2  # 2: the fused layout (layout flags after the stamp, riders after them)
+# 2: the fused layout (layout flags after the stamp, riders after them); 3: the
+# votes' section carries reaches in walk order (810 values, votes protocol 11), so
+# a peer on 2 stops at the first exchange instead of pairing a reduce of another size.
+PROTOCOL_VERSION = 3
 
 OBS_BITS = 12  # the per-rank observation (auto depth's wait signal)
 DIGEST_BITS = 42  # upstream's reclaim digest is masked to 42 bits
