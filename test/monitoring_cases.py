@@ -294,18 +294,6 @@ def cases() -> list[Case]:
             {N0: [Seg(25, PLUGIN, grow_from=FRESH)]}, 24,
         ),
         Case(
-            "HiCachePrefetchVotesNotHidden", True,
-            "a vote reduce slower than a pass (50 ms): the real server's wait rate",
-            {N0: [Seg(25, SLOW, grow_from=SLOW_FRESH)]}, 24,
-            _ranks(N0),
-        ),
-        # No capture on the 2-core CI box had the votes hidden (docs/monitoring.md):
-        # the non-firing side is a server without vote series.
-        Case(
-            "HiCachePrefetchVotesNotHidden", False, "stock SGLang (no vote series)",
-            {N0: [Seg(25, STOCK)]}, 24,
-        ),
-        Case(
             "HiCacheDecodeOffloadNotHidden", True,
             "a PD decode server whose offload reduce takes 50 ms: the real server's "
             "wait rate",
