@@ -350,5 +350,5 @@ def test_metrics_count_the_voted_operations(make_prefetch):
     assert len(sink.passes) == 4
     # the first pass closes the walk before the votes ran (none carried)
     assert [voted for _, voted in sink.passes] == [0] + [votes.VOTE_SLOTS] * 3
-    assert all(wait is None for wait, _ in sink.passes)
+    assert sink.passes and all(wait is None for wait, _ in sink.passes)
     assert sink.fallbacks == 44 * 4
