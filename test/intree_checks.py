@@ -223,7 +223,7 @@ def _mixed_rank(rank: int, port: int, out) -> None:
     import torch
     import torch.distributed as dist
 
-    from hicache_async_ack.stamp import PROTOCOL_VERSION, pack_stamp
+    from hicache_async_ack.protocol.stamp import PROTOCOL_VERSION, pack_stamp
 
     timeout = timedelta(seconds=300)
     error, popped = "", []
@@ -258,7 +258,7 @@ def test_next_to_a_plugin_rank_the_in_tree_rank_names_the_plugin_before_any_pop(
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from hicache_async_ack.stamp import IN_TREE_LIMIT, PROTOCOL_VERSION, pack_stamp
+    from hicache_async_ack.protocol.stamp import IN_TREE_LIMIT, PROTOCOL_VERSION, pack_stamp
 
     assert pack_stamp(PROTOCOL_VERSION, False, 1, 0, 0) >= IN_TREE_LIMIT  # the contract
     store = dist.TCPStore(

@@ -8,9 +8,11 @@ import sys
 
 import pytest
 
-from hicache_async_ack import core, depth, env
-from hicache_async_ack import stamp as stamp_mod
-from hicache_async_ack.core import (
+from hicache_async_ack import env
+from hicache_async_ack.protocol import depth
+from hicache_async_ack.protocol import reduce as core
+from hicache_async_ack.protocol import stamp as stamp_mod
+from hicache_async_ack.protocol.reduce import (
     PROTOCOL_VERSION,
     HiCacheAckSyncError,
     PipelinedAckSync,
@@ -32,7 +34,7 @@ class Ref:
 
 def test_core_imports_without_sglang():
     code = (
-        "import sys, hicache_async_ack.core, hicache_async_ack.env,"
+        "import sys, hicache_async_ack.protocol.reduce, hicache_async_ack.env,"
         " hicache_async_ack_lab.sim.collectives;"
         "assert not any(m.startswith('sglang') for m in sys.modules), 'sglang imported';"
         "assert 'torch' not in sys.modules"

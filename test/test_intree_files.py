@@ -11,7 +11,8 @@ import black
 import isort
 import pytest
 
-from hicache_async_ack import env, stamp
+from hicache_async_ack import env
+from hicache_async_ack.protocol import stamp
 from hicache_async_ack_lab.intree import doc_edit, edits, module
 
 ADDED = (module.MODULE_PATH, *module.TEST_PATHS)

@@ -16,12 +16,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache_async_ack import guard, votes
+from hicache_async_ack import guard
 from hicache_async_ack.env import ENABLE_VAR, PREFETCH_VOTES_VAR
 from hicache_async_ack.features import prefetch_votes
 from hicache_async_ack.names import LOGGER_NAME
-from hicache_async_ack.stamp import HiCacheAckSyncMismatch
-from hicache_async_ack.votes import ADMIT, HEADER, LAYOUT, REACH, SLOT, PrefetchVoteMismatch
+from hicache_async_ack.protocol import votes
+from hicache_async_ack.protocol.stamp import HiCacheAckSyncMismatch
+from hicache_async_ack.protocol.votes import (
+    ADMIT,
+    HEADER,
+    LAYOUT,
+    REACH,
+    SLOT,
+    PrefetchVoteMismatch,
+)
 from hicache_async_ack_lab.sim.prefetch import add_prefetch
 
 UPSTREAM = {ENABLE_VAR: "0"}  # the ack sync stands down (its hooks stay): upstream carries

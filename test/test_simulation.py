@@ -18,10 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache_async_ack import core
 from hicache_async_ack.env import DEPTH_VAR
 from hicache_async_ack.kit import collectives as adapter
 from hicache_async_ack.kit import groups
+from hicache_async_ack.protocol import reduce as core
 from hicache_async_ack_lab.sim.clock import ModelClock, modelled
 from hicache_async_ack_lab.sim.collectives import MinHub
 from hicache_async_ack_lab.testing import scenarios

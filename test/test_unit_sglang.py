@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_async_ack.core import PROTOCOL_VERSION, HiCacheAckSyncError, Stamp
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR
 from hicache_async_ack.features import ack_step, ack_sync, prefetch_votes
+from hicache_async_ack.protocol.reduce import PROTOCOL_VERSION, HiCacheAckSyncError, Stamp
 from hicache_async_ack_lab.sim.collectives import FakeGroup
 from hicache_async_ack_lab.testing.drift import runs_here
 
@@ -360,7 +360,7 @@ def test_a_depth_change_while_standing_down_is_logged_and_exported(
     depth: that change is said and exported like any other."""
     import logging
 
-    from hicache_async_ack.core import Consumed
+    from hicache_async_ack.protocol.reduce import Consumed
 
     sim = make_cache(env={DEPTH_VAR: "auto"})
     state = ack_sync.FEATURE.state_of(sim.cache)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_async_ack.votes import (
+from hicache_async_ack.protocol.votes import (
     LAYOUT,
     VOTE_SLOTS,
     AdmissionMismatch,

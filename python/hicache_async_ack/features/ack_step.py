@@ -14,11 +14,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Hashable, Optional
 
-from ..core import Consumed
 from ..kit.decision import blocking
 from ..kit.groups import no_span_reason, spanning_group
 from ..names import ACK_QUEUES, EXTRA_POOL_QUEUES, STORAGE_QUEUES
-from ..stamp import HiCacheAckSyncError
+from ..protocol.reduce import Consumed
+from ..protocol.stamp import HiCacheAckSyncError
 
 # The layout flag the ack sync owns in its reduce ([f, -f] after the stamp);
 # riders (kit.feature.Rider) add theirs.

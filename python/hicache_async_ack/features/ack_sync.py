@@ -12,7 +12,6 @@ import logging
 from typing import Optional
 
 from .. import __version__
-from ..core import AutoDepth, Consumed, PipelinedAckSync
 from ..env import DEPTH_MAX, DEPTH_VAR, ENABLE_VAR, PLUGINS_VAR, Settings, read_settings
 from ..guard import CACHE_CLASS, feature_release
 from ..kit.collectives import Collectives
@@ -22,6 +21,7 @@ from ..kit.groups import group_decision
 from ..kit.hooks import unhooked
 from ..kit.queues import head_reader
 from ..names import ACK, ACK_QUEUES, EXTRA_POOL_QUEUES, LOGGER_NAME
+from ..protocol.reduce import AutoDepth, Consumed, PipelinedAckSync
 from . import ack_step
 from .ack_step import ACK_FLAGS, STORAGE_FLAG
 
@@ -152,7 +152,7 @@ class AckSyncState(FeatureState):
     def failed(self, exc: Exception) -> None:
         """A sync error on this rank: counted, and said here too (the scheduler
         may die on the next collective's error first)."""
-        from ..stamp import HiCacheAckSyncMismatch
+        from ..protocol.stamp import HiCacheAckSyncMismatch
 
         if self.metrics is not None:
             reason = "mismatch" if isinstance(exc, HiCacheAckSyncMismatch) else "failure"

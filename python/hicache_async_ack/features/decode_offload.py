@@ -6,7 +6,7 @@ MIN all_reduce over the TP group of ``[len(ack_write_queue),
 ack_backup_queue.qsize()]``, then it pops that many device-to-host acks
 (``_check_offload_progress``, which synchronizes each ack's event) and storage
 backups (``_check_backup_progress``). Here the reduce is
-:class:`~hicache_async_ack.core.PipelinedAckSync`'s: issued async at the end
+:class:`~hicache_async_ack.protocol.reduce.PipelinedAckSync`'s: issued async at the end
 of step t, consumed at step t+1, popped by identity (entries another path
 removed meanwhile are skipped), the stamp agreed in every reduce. Like upstream
 it counts every queued entry, finished or not.
@@ -25,25 +25,17 @@ import os
 import time
 from typing import Hashable, Optional, Sequence
 
-from ..core import PipelinedAckSync
 from ..env import ENABLE_VAR, OFFLOAD_SYNC_VAR, offload_sync_enabled
+from ..errors import OffloadSyncError, OffloadSyncMismatch
 from ..guard import MANAGER_CLASS, feature_release
 from ..kit.collectives import Collectives
 from ..kit.decision import Decision, blocking, untested_release
 from ..kit.feature import Feature, FeatureState
 from ..kit.queues import head_reader
 from ..names import OFFLOAD, OFFLOAD_QUEUES, TITLES
-from ..stamp import HiCacheAsyncAckError, HiCacheAsyncAckMismatch
+from ..protocol.reduce import PipelinedAckSync
 
 CODE = 1 << 30  # above any queue size a stock rank sends in the agreement
-
-
-class OffloadSyncError(HiCacheAsyncAckError):
-    """The decode offload sync cannot continue on this rank."""
-
-
-class OffloadSyncMismatch(OffloadSyncError, HiCacheAsyncAckMismatch):
-    """The decode ranks disagree (a stock peer, the setting, the stamp)."""
 
 
 STOCK_HINT = (

@@ -11,7 +11,7 @@ makes at pass p + depth + 1 from the state as agreed at pass p.** In a walk
 ``_can_terminate_prefetch`` runs no collective: it notes the reach and this
 rank's vote and answers "not yet"; the interval (the walk, and the aborts and
 budget-bound prefetch starts the scheduler makes until the next boundary) rides,
-as one section (:mod:`hicache_async_ack.votes`), the next reduce of the ack
+as one section (:mod:`hicache_async_ack.protocol.votes`), the next reduce of the ack
 counts; where that reduce is consumed, before its pops, the cache holds exactly
 the agreed state stock's walk saw, and every decision runs there, in walk
 order, through upstream's own code. The admitted requests (with their prefix
@@ -43,7 +43,7 @@ from ..kit.feature import Feature, FeatureState
 from ..kit.groups import group_decision
 from ..kit.hooks import unhooked
 from ..names import ACK, VOTES
-from ..votes import PrefetchVoteError, PrefetchVoteMismatch, VoteBook
+from ..protocol.votes import PrefetchVoteError, PrefetchVoteMismatch, VoteBook
 from . import ack_sync, vote_admission, vote_apply, vote_pass
 from .vote_pass import BEST_EFFORT, RIDE_ACK, TIMEOUT_POLICY
 

@@ -1,6 +1,6 @@
 """Where the prefetch decisions of a pass land on SGLang's UnifiedRadixCache:
 right after the section is read back, before that boundary's pops, in the
-order the interval made them (:class:`hicache_async_ack.votes.Verdicts`).
+order the interval made them (:class:`hicache_async_ack.protocol.votes.Verdicts`).
 
 That point holds exactly the agreed state stock had when its walk made them:
 the pops since the walk are those stock did before its walk (the ack counts'

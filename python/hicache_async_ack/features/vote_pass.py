@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from ..kit.collectives import upstream_count_slots
-from ..stamp import Stamp, describe_mismatch, pack_stamp, stamps_differ
-from ..votes import VOTE_SLOTS, VOTES_PROTOCOL, PrefetchVoteError, PrefetchVoteMismatch
+from ..protocol.stamp import Stamp, describe_mismatch, pack_stamp, stamps_differ
+from ..protocol.votes import VOTE_SLOTS, VOTES_PROTOCOL, PrefetchVoteError, PrefetchVoteMismatch
 from . import vote_apply
 from .vote_apply import operation_key
 
@@ -204,6 +204,6 @@ def ride_ready_counts(cache, original: Callable, values: Sequence[int], *args, *
 
 def run_held(state, cache, deferred) -> None:
     """Run an interval's held-back calls now (no section carried it)."""
-    from ..votes import Verdicts
+    from ..protocol.votes import Verdicts
 
     vote_apply.apply(state, cache, Verdicts(0, [(d.seq, "deferred", d.what) for d in deferred]))

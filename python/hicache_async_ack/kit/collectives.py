@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..names import ACK_QUEUES, EXTRA_POOL_QUEUES, STORAGE_QUEUES
-from ..stamp import DEPTH_LIMIT
+from ..protocol.stamp import DEPTH_LIMIT
 
 
 class TorchHandle:

@@ -168,7 +168,7 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
 def loop_only(apply, verdict):
     """The negative control's pair: stops kept instead of applied at the
     boundary, and answered where the walk reaches their operation."""
-    from hicache_async_ack.votes import Verdicts
+    from hicache_async_ack.protocol.votes import Verdicts
 
     kept: list = []
 

@@ -27,10 +27,10 @@ import traceback
 from types import SimpleNamespace
 from typing import Optional
 
-from hicache_async_ack import core
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR
 from hicache_async_ack.features.ack_sync import FEATURE as ACK_SYNC
 from hicache_async_ack.features.ack_sync import after_init_hicache
+from hicache_async_ack.protocol import reduce as core
 from hicache_async_ack_lab.sim.cache import build_cache
 from hicache_async_ack_lab.sim.clock import ModelClock, modelled
 from hicache_async_ack_lab.sim.traffic import StepClock, Traffic, TrafficSpec

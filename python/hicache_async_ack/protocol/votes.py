@@ -46,10 +46,9 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Mapping, NoReturn, Optional, Sequence
 
+from ..errors import AdmissionMismatch, PrefetchVoteError, PrefetchVoteMismatch
 from .stamp import (
     STOCK_LIMIT,
-    HiCacheAsyncAckError,
-    HiCacheAsyncAckMismatch,
     Stamp,
     describe_mismatch,
     pack_stamp,
@@ -70,21 +69,6 @@ LAYOUT = HEADER + REACH + ADMIT + SLOT * VOTE_SLOTS  # values per section
 NOT_REACHED, REACHED_EXPIRED, REACHED = 0, 2, 3  # a slot's v; MIN == 2: stop
 POLICIES = {"timeout": 1, "best_effort": 2}  # the stop policies a walk decides under
 SKEW_ISSUE = "SGLang #30760"
-
-
-class PrefetchVoteError(HiCacheAsyncAckError):
-    """The prefetch vote sync cannot continue on this rank (peer died, timeout,
-    ranks that disagree). Never retried."""
-
-
-class PrefetchVoteMismatch(PrefetchVoteError, HiCacheAsyncAckMismatch):
-    """The ranks disagree on the ongoing operations, the requests their walks
-    reached or the protocol; raised on every rank before any verdict is used."""
-
-
-class AdmissionMismatch(PrefetchVoteMismatch):
-    """The ranks admitted different requests (or lengths) to the batch in one
-    scheduling pass (their waiting-queue walks diverged: SGLang #30760)."""
 
 
 def key_hash(key: Hashable) -> int:

@@ -19,6 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence
 
+from ..errors import (  # noqa: F401  (raised by the protocol)
+    HiCacheAckSyncError,
+    HiCacheAckSyncMismatch,
+    HiCacheAsyncAckError,
+    HiCacheAsyncAckMismatch,
+)
+
 # The wire protocol of the pipelined reduce: bump it whenever what a reduce
 # means changes (its layout, the stamp, when it is consumed). Its place at the
 # top of the stamp never moves, so any two versions can tell they differ.
@@ -38,27 +45,6 @@ DEPTH_LIMIT = (1 << DEPTH_BITS) - 1
 STOCK_LIMIT = 1 << DIGEST_BITS  # upstream's own [digest, -digest] stays below this
 # The in-tree module (a patched SGLang) sends depth << 42 | digest: below this.
 IN_TREE_LIMIT = 1 << 58
-
-
-class HiCacheAsyncAckError(RuntimeError):
-    """A sync of hicache-async-ack cannot continue on this rank (a peer died, a
-    timeout, ranks that diverged or disagree): the base of every error the plugin
-    raises. Never retried: a retry would desynchronise the collectives."""
-
-
-class HiCacheAsyncAckMismatch(HiCacheAsyncAckError):
-    """The ranks of a group disagree (protocol, settings, what they hold); raised
-    on every rank of the group, before anything is popped or used."""
-
-
-class HiCacheAckSyncError(HiCacheAsyncAckError):
-    """The HiCache ack sync cannot continue on this rank."""
-
-
-class HiCacheAckSyncMismatch(HiCacheAckSyncError, HiCacheAsyncAckMismatch):
-    """The ranks of the group disagree on the protocol, its settings, the layout
-    flags or the reclaim digest; raised on every pipelining rank before anything
-    is popped."""
 
 
 class Handle(Protocol):
