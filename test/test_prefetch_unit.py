@@ -18,19 +18,13 @@ import torch
 
 from hicache_async_ack import guard
 from hicache_async_ack.env import ENABLE_VAR, PREFETCH_VOTES_VAR
+from hicache_async_ack.errors import HiCacheAckSyncMismatch, PrefetchVoteMismatch
 from hicache_async_ack.features import prefetch_votes
 from hicache_async_ack.names import LOGGER_NAME
 from hicache_async_ack.protocol import votes
-from hicache_async_ack.protocol.stamp import HiCacheAckSyncMismatch
-from hicache_async_ack.protocol.votes import (
-    ADMIT,
-    HEADER,
-    LAYOUT,
-    REACH,
-    SLOT,
-    PrefetchVoteMismatch,
-)
+from hicache_async_ack.protocol.votes import ADMIT, HEADER, LAYOUT, OVERFLOW_LAYOUT, SLOT
 from hicache_async_ack_lab.sim.prefetch import add_prefetch
+from hicache_async_ack_lab.testing.spec_ranks import EventLog, plugin_environment
 
 UPSTREAM = {ENABLE_VAR: "0"}  # the ack sync stands down (its hooks stay): upstream carries
 COUNTS = 6  # upstream's ready counts with storage: 2 ack queues + 4 storage queues
@@ -49,14 +43,15 @@ def this_release(plugin, monkeypatch):
 def make_prefetch(make_cache, hub, this_release):
     """A cache with storage and the prefetch path. ``carrier="upstream"``: the
     fake ``_all_reduce`` records upstream's per-request reduces (``ps.blocking``),
-    the votes' first exchange (``ps.greets``) and the ready-count reduces the
-    section rides (``ps.rides``), each MIN-ed with ``ps.peer`` if set."""
+    the votes' first exchange (``ps.greets``), the ready-count reduces the
+    section rides (``ps.rides``) and the overflow exchanges (``ps.overflows``),
+    each MIN-ed with ``ps.peer`` if set; ``ps.log`` holds the votes' events."""
 
     def make(carrier="upstream", policy="timeout", deadline=None, timeout_s=3600.0, env=None):
         env = {**(UPSTREAM if carrier == "upstream" else {}), **(env or {})}
         sim = make_cache(tp=2, storage=True, env=env)
         ps = add_prefetch(sim, policy=policy, timeout_s=timeout_s, deadline=deadline)
-        ps.blocking, ps.greets, ps.rides = [], [], []
+        ps.blocking, ps.greets, ps.rides, ps.overflows = [], [], [], []
         ps.peer = None
 
         def all_reduce(t, op):
@@ -68,12 +63,16 @@ def make_prefetch(make_cache, hub, this_release):
                 ps.greets.append(values)  # a first exchange (the ack sync's or the votes')
             elif len(values) == COUNTS + 2 + LAYOUT:
                 ps.rides.append(values)  # upstream's ready counts with the section
+            elif len(values) == OVERFLOW_LAYOUT:
+                ps.overflows.append(values)
             if ps.peer is not None:
                 peer = ps.peer(values)
                 t.copy_(torch.tensor([min(a, b) for a, b in zip(values, peer)]))
 
         sim.cache.__dict__["_all_reduce"] = all_reduce
-        ps.state = prefetch_votes.FEATURE.attach(sim.cache)
+        ps.log = EventLog()
+        with plugin_environment(ps.log):
+            ps.state = prefetch_votes.FEATURE.attach(sim.cache)
         return ps
 
     return make
@@ -94,7 +93,7 @@ def expire_slot(start, index):
     def peer(values):
         out = list(values)
         if len(values) >= start + LAYOUT:
-            out[start + HEADER + REACH + ADMIT + SLOT * index] = votes.REACHED_EXPIRED
+            out[start + HEADER + ADMIT + SLOT * index] = votes.REACHED_EXPIRED
         return out
 
     return peer
@@ -114,7 +113,7 @@ def test_upstream_carrier_one_reduce_per_pass_replaces_the_per_request_reduces(m
     out = run_pass(ps)  # pass 2: the walk of pass 1 (every request reached) is voted on
     assert out == {("b", 0): True, ("a", 0): False, ("c", 0): False}
     assert ps.ended == [(("b", 0), "deadline")]
-    assert ps.blocking == [] and ps.state.stopped == 1
+    assert ps.blocking == [] and ps.log.counts.get("stop") == 1
     assert len(ps.rides) == 2 and len(ps.greets) == 1  # one reduce per pass, nothing else
 
 
@@ -140,7 +139,7 @@ def test_a_deadline_ends_only_where_every_rank_reached_it(make_prefetch, hub):
     hub.peer = expire_slot(ACK_SECTION, 0)
     for _ in range(4):
         assert run_pass(ps, handles=[]) == {}  # the walk never reaches "a" here
-    assert ps.ended == [] and ps.state.stopped == 0
+    assert ps.ended == [] and ps.log.counts.get("stop", 0) == 0
 
 
 def test_verdict_on_the_real_timer_one_pass_after_the_walk(make_prefetch):
@@ -201,7 +200,7 @@ def test_a_peer_whose_walk_reached_another_request_is_a_mismatch(make_prefetch):
     ps.add("a")
     run_pass(ps)
     other = votes.key_hash(("z", 0))
-    at = COUNTS + 2 + HEADER + REACH + ADMIT + 1  # slot 0's [h, -h]
+    at = COUNTS + 2 + HEADER + ADMIT + 1  # slot 0's [h, -h]
 
     def peer(v):
         if len(v) != COUNTS + 2 + LAYOUT:
@@ -275,34 +274,33 @@ def test_the_setting_names_its_accepted_values():
         prefetch_votes_enabled({PREFETCH_VOTES_VAR: "maybe"})
 
 
-def test_reaches_past_the_slots_are_decided_by_upstreams_reduce_in_walk_order(
+def test_reaches_past_the_slots_are_decided_in_an_overflow_exchange_where_they_land(
     make_prefetch, caplog
 ):
-    """Past the section's slots the walk asks SGLang's own per-request reduce
-    (counted, and said once in the log), and the answer lands with the others,
-    in walk order: a deadline past the slots ends where stock would end it."""
+    """Past the section's slots the walk runs no collective either (47's
+    findings 5 and 9); where the section is read back, one overflow exchange per
+    VOTE_SLOTS reaches decides them (said once in the log), and a deadline past
+    the slots ends where stock would end it, in walk order."""
     ps = make_prefetch()
     n = votes.VOTE_SLOTS + 5
     hs = [ps.add(f"r{i:04d}") for i in range(n)]
     with caplog.at_level("WARNING", logger=LOGGER_NAME):
         run_pass(ps)  # the first exchange; this walk is the first one voted on
-    assert ps.blocking == [0] * 5 and ps.state.fallbacks == 5
+        assert ps.blocking == [] and ps.overflows == []
+        late = hs[-1]
+        at = 4 + SLOT * 4  # the late request's slot in the first overflow exchange
+
+        def peer(values):  # the last request's deadline passed on the peer
+            if len(values) != OVERFLOW_LAYOUT:
+                return values
+            return values[:at] + [votes.REACHED_EXPIRED] + values[at + 1 :]
+
+        ps.peer = peer
+        out = run_pass(ps)  # the walk of pass 1 lands here: one overflow exchange
+    assert out[(late.rid, 0)] is True and len(ps.overflows) == 1
+    assert ps.blocking == [] and ps.ended == [((late.rid, 0), "deadline")]
     said = [r.getMessage() for r in caplog.records if "past the section's" in r.getMessage()]
     assert len(said) == 1 and "fallback_reaches_total" in said[0], said
-    late = hs[-1]
-
-    def peer(values):  # the last request's deadline passed on the peer
-        if len(values) == 1:
-            return [1] if ps.blocking and len(ps.blocking) % 5 == 0 else [0]
-        return values
-
-    ps.cache.__dict__["_prefetch_deadline_expired"] = lambda op: op.handle == late
-    out = run_pass(ps)
-    assert out[(late.rid, 0)] is False and ps.state.fallbacks == 10
-    assert len([r for r in caplog.records if "past the section's" in r.getMessage()]) == 1
-    out = run_pass(ps)  # the walk of the last pass lands at this boundary
-    assert out[(late.rid, 0)] is True
-    assert ps.ended == [((late.rid, 0), "deadline")]
 
 
 def test_attention_cp_x_tp_rides_where_one_tp_group_spans_both(make_cache, plugin, this_release):
@@ -330,25 +328,23 @@ class Sink:
     def on_path(self, pipelined):
         pass
 
-    def on_pass(self, wait_s, issue_s, voted):
+    def on_pass(self, wait_s, issue_s, voted, overflow=0):
         self.passes.append((wait_s, voted))
+        self.fallbacks += overflow
 
-    def on_stop(self):
+    def on_stop(self, n=1):
         pass
 
     fallbacks = 0
-
-    def on_fallback(self):
-        self.fallbacks += 1
 
     def on_failure(self, reason):
         pass
 
 
 def test_metrics_count_the_voted_operations(make_prefetch):
-    """operations_total counts the reaches a section carried (at most its slots
-    per pass), fallback_total those past them; the wait is the carrier's (the
-    votes add no collective to wait on)."""
+    """operations_total counts the reaches a walk made, fallback_total those
+    past the section's slots; the wait is the carrier's (the votes add no
+    collective to wait on)."""
     ps = make_prefetch()
     for i in range(votes.VOTE_SLOTS + 44):
         ps.add(f"r{i:04d}")
@@ -357,6 +353,6 @@ def test_metrics_count_the_voted_operations(make_prefetch):
         run_pass(ps)
     assert len(sink.passes) == 4
     # the first pass closes the walk before the votes ran (none carried)
-    assert [voted for _, voted in sink.passes] == [0] + [votes.VOTE_SLOTS] * 3
+    assert [voted for _, voted in sink.passes] == [0] + [votes.VOTE_SLOTS + 44] * 3
     assert sink.passes and all(wait is None for wait, _ in sink.passes)
-    assert sink.fallbacks == 44 * 4
+    assert sink.fallbacks == 44 * 3

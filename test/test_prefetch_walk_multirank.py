@@ -88,6 +88,18 @@ CP_TP = dict(
         dict(rid="r1", arrive=1, budget=[9, 9, 9, 1]),
     ],
 )
+# 300 ongoing prefetches (their reads never finish, no deadline in reach), all
+# reached each pass; in pass 2 rank 1's walk reaches 270 (its batch filled up),
+# or visits positions 280 and 281 the other way round (its queue diverged):
+# issue 47's finding 9, walks that diverge past the section's 256 slots.
+CROWD = dict(
+    name="crowd_short",
+    passes=6,
+    requests=[dict(rid=f"q{i:03d}", arrive=0, budget=99) for i in range(300)],
+    reach={"1": {"2": 270}},
+)
+CROWD_SWAPPED = dict(CROWD, name="crowd_swapped", reach={}, swap={"1": {"2": [280, 281]}})
+CROWD_FALLBACK = dict(CROWD, name="crowd_short_walk_fallback", control=["walk_fallback"])
 CONTROL = [
     dict(SATURATED, name="saturated_unreached_votes", unreached_votes=True),
     PREFIX_KEYS_ONLY,
@@ -115,17 +127,19 @@ def results():
     cp_stock.rank_env = {r: {PLUGINS_VAR: "some_other_plugin"} for r in range(4)}
     out = run_fresh(
         [
-            job("walk, plugin", SPECS + CONTROL),
+            job("walk, plugin", SPECS + CONTROL + [CROWD, CROWD_SWAPPED]),
             job("walk, stock", SPECS, STOCK),
             drifted,
             cp_plugin,
             cp_stock,
+            job("walk, the old fallback past the slots", [CROWD_FALLBACK]),
         ]
     )
-    for ranks in out:
-        if isinstance(ranks, RanksFailed):
+    names = ("plugin", "stock", "ack_off", "cp_plugin", "cp_stock", "fallback")
+    for name, ranks in zip(names, out):
+        if isinstance(ranks, RanksFailed) and name != "fallback":
             raise AssertionError(str(ranks))
-    return dict(zip(("plugin", "stock", "ack_off", "cp_plugin", "cp_stock"), out))
+    return dict(zip(names, out))
 
 
 def runs(results, arm: str, name: str, world: int = WORLD) -> list[dict]:
@@ -289,3 +303,32 @@ def test_attention_cp_x_tp_rides_the_ack_reduce_over_the_tp_group(results):
         assert p["mode"] == "ack" and p["stopped_on_verdict"] == 2
         steady = p["per_pass"][1:]
         assert steady and all(x["async"] == 1 and x["blocking"] == 0 for x in steady), steady
+
+
+def test_a_walk_cut_short_past_the_slots_vetoes_the_rest_and_runs_on(results):
+    """47's finding 9: a rank whose walk reaches 270 of 300 ongoing prefetches
+    (past the section's 256 slots) is tolerated as below them: the positions it
+    did not reach are vetoed, no collective pairs with another, and every rank
+    runs on with the same verdicts."""
+    per = runs(results, "plugin", "crowd_short")
+    clean(per)
+    assert per[0]["per_pass"] == per[1]["per_pass"]
+    assert all(x["blocking"] == 0 for r in per for x in r["per_pass"][1:])
+
+
+def test_walks_that_reach_another_request_past_the_slots_stop_by_name(results):
+    """47's finding 9: positions past the slots are checked too: every rank
+    stops, naming the position, before any verdict of that walk is used."""
+    for rank, r in enumerate(runs(results, "plugin", "crowd_swapped")):
+        err = r.get("error", "")
+        assert "PrefetchVoteMismatch" in err and "at position 281" in err, (rank, err)
+        assert "SGLang #30760" in err
+
+
+def test_the_old_fallback_past_the_slots_dies_in_gloo(results):
+    """Negative control: upstream's per-request reduce at the walk past the
+    slots (as before): the longer walk's reduce pairs with the peer's next pass
+    reduce, and the ranks die without a name."""
+    fallback = results["fallback"]
+    assert isinstance(fallback, RanksFailed), fallback
+    assert "PrefetchVoteMismatch" not in str(fallback)

@@ -129,10 +129,10 @@ FAMILIES: dict[str, tuple[tuple[str, int, str, str, Optional[str], tuple], ...]]
          None, ISSUE_BUCKETS),
         ("voted", COUNTER, "sglang:hicache_prefetch_votes_operations",
          "Storage prefetch reaches voted on: one per request the waiting-queue walk "
-         "reached, carried in a pass's section (at most its 256 slots per pass).", None, ()),
+         "reached.", None, ()),
         ("fallback", COUNTER, "sglang:hicache_prefetch_votes_fallback_reaches",
-         "Reaches past a section's 256 slots in one walk: decided on SGLang's own "
-         "per-request blocking reduce (one collective each), applied with the others.",
+         "Reaches past a section's 256 slots in one walk: voted in overflow exchanges "
+         "where the section is read back (one blocking reduce per 256 of them).",
          None, ()),
         ("stopped", COUNTER, "sglang:hicache_prefetch_votes_stopped",
          "Storage prefetch operations stopped on the group's verdict (deadline, or "
@@ -287,19 +287,21 @@ class PrefetchVoteMetrics(SyncSeries):
     fallback: Any
     stopped: Any
 
-    def on_pass(self, wait_s: Optional[float], issue_s: float, voted: int) -> None:
-        """``wait_s`` is None when no vote reduce was due (the first pass)."""
+    def on_pass(
+        self, wait_s: Optional[float], issue_s: float, voted: int, overflow: int = 0
+    ) -> None:
+        """``wait_s`` is None when no vote reduce was due (the first pass);
+        ``overflow``: the reaches past the section's slots."""
         if wait_s is not None:
             self.wait.observe(wait_s)
         self.issue.observe(issue_s)
         if voted:
             self.voted.inc(voted)
+        if overflow:
+            self.fallback.inc(overflow)
 
-    def on_stop(self) -> None:
-        self.stopped.inc()
-
-    def on_fallback(self) -> None:
-        self.fallback.inc()
+    def on_stop(self, n: int = 1) -> None:
+        self.stopped.inc(n)
 
     def on_failure(self, reason: str) -> None:
         self.families["failures"].labels(**self.labels, reason=reason).inc()

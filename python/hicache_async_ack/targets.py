@@ -166,27 +166,10 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target(
         _URC,
-        "UnifiedRadixCache.prefetch_from_storage",
-        None,
-        BODY,
-        "hooked AROUND: a start whose budget is spent here is started provisionally and "
-        "judged where stock judged it (a decline replayed through it)",
-        (VOTES,),
-    ),
-    Target(
-        _URC,
         "UnifiedRadixCache.release_aborted_request",
         ("self", "request"),
         BODY,
-        "hooked AROUND: an abort inside a held interval runs where its decisions land",
-        (VOTES,),
-    ),
-    Target(
-        _URC,
-        "UnifiedRadixCache.revoke_pending_prefetch",
-        ("self", "request"),
-        BODY,
-        "undoes a provisional start stock would have declined (nothing of it drained yet)",
+        "hooked BEFORE: an abort drops the pin a stop took (upstream releases the rest at once)",
         (VOTES,),
     ),
     Target(

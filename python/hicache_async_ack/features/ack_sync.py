@@ -106,6 +106,12 @@ class AckSyncState(FeatureState):
         if self.sync is not None and self.sync.flag_names is not None:
             self.sync.flag_names.update(rider.flags)
 
+    def exchange(self, values: list[int]) -> list[int]:
+        """A blocking MIN over this cache's reduce group, in the collective
+        sequence every rank runs alike (a rider's overflow exchange)."""
+        assert self.sync is not None
+        return [int(v) for v in self.sync.collective(values).wait()]
+
     def local_flags(self, cache) -> int:
         flags = int(bool(cache.enable_storage)) << STORAGE_FLAG
         for rider in self.riders:

@@ -30,9 +30,11 @@ from ..errors import (  # noqa: F401  (raised by the protocol)
 # means changes (its layout, the stamp, when it is consumed). Its place at the
 # top of the stamp never moves, so any two versions can tell they differ.
 # 2: the fused layout (layout flags after the stamp, riders after them); 3: the
-# votes' section carries reaches in walk order (810 values, votes protocol 11), so
-# a peer on 2 stops at the first exchange instead of pairing a reduce of another size.
-PROTOCOL_VERSION = 3
+# votes' section carries reaches in walk order (810 values, votes protocol 11); 4:
+# the votes' section carries the walk's digest, reaches past its slots decided in
+# overflow exchanges (812 values, votes protocol 12). A peer on another version
+# stops at the first exchange instead of pairing a reduce of another size.
+PROTOCOL_VERSION = 4
 
 OBS_BITS = 12  # the per-rank observation (auto depth's wait signal)
 DIGEST_BITS = 42  # upstream's reclaim digest is masked to 42 bits

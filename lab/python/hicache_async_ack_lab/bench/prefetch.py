@@ -53,7 +53,7 @@ def prefetch_rank(ctx, cfg: dict) -> dict:
     import torch.distributed as dist
 
     from hicache_async_ack.features.ack_sync import after_init_hicache
-    from hicache_async_ack.features.prefetch_votes import (
+    from hicache_async_ack.features.vote_hooks import (
         after_init_hicache as after_init_hicache_prefetch,
     )
     from hicache_async_ack.kit import collectives as adapter

@@ -1,105 +1,117 @@
 """Negative controls for the differential runs: the plugin with one of its
-guarantees taken out, as it was before (issue 43's findings), so a test can
-show that the comparison catches each. Applied to one scenario's plugin arm
-(``spec["control"]``: a list of names) and undone after it.
+guarantees taken out, so a test can show that the checks catch each. Each is
+a subclass of the plugin's vote state, handed in through the plugin's
+environment (``kit.environment.Environment.substitutes``) for one scenario's
+plugin arm (``spec["control"]``: a list of names); nothing is patched.
 
-* ``after_pops``: an interval's decisions made after the boundary's pops (what
-  landed in between decides how a prefetch ends, what it keeps, whether its
-  hit is allocated): findings 2 and 3.
-* ``no_exemption``: the KV-landed exemption judged only at the walk, on the
-  plugin's older state: finding 2.
-* ``drop_overflow``: reaches past the section's slots lost: finding 1.
-* ``no_provisional``: a start this rank's budget refuses is declined at once
-  (stock's budget was freer): finding 3.
-* ``immediate_calls``: aborts and budget-bound starts run at once, on the
-  plugin's older state.
-* ``no_pins``: pages a stop inserted stay evictable until the admission:
+* ``after_pops``: an interval's stops made after the boundary's pops (what
+  landed in between decides how a prefetch ends and what it keeps): issue 43's
+  findings 2 and 3.
+* ``no_exemption``: the KV-landed exemption not asked where the stop lands:
+  issue 43's finding 2.
+* ``drop_overflow``: the reaches past a section's slots lost: issue 43's finding 1.
+* ``no_pins``: the pages a stop inserted left evictable until the walk: issue 43's
   finding 4.
+* ``unbounded_pins``: those pins kept past their pass, until an admission, an
+  abort or a reset: issue 47's findings 1 and 8.
+* ``walk_fallback``: past the slots, upstream's per-request reduce at the walk
+  (a collective in the walk): issue 47's findings 5 and 9.
 * ``keys_only``: the admission check without the prefix and extend lengths:
-  finding 5.
+  issue 43's finding 5.
+* ``unreached_votes``: every ongoing operation voted on at the boundary,
+  reached or not (the votes before issue 43).
 """
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
-from types import ModuleType
-from typing import Any, Iterator
+from typing import Any
 
 CONTROLS = (
     "after_pops",
     "no_exemption",
     "drop_overflow",
-    "no_provisional",
-    "immediate_calls",
     "no_pins",
+    "unbounded_pins",
+    "walk_fallback",
     "keys_only",
+    "unreached_votes",
 )
 
 
-@contextmanager
-def patched(module: ModuleType, name: str, value: Any) -> Iterator[None]:
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, saved)
-
-
-@contextmanager
-def controls(names, cache) -> Iterator[None]:
-    """The plugin on ``cache`` with the guarantees ``names`` taken out."""
+def substitutes(names) -> dict:
+    """The plugin's state classes with the guarantees ``names`` taken out."""
     unknown = sorted(set(names) - set(CONTROLS))
     if unknown:
         raise ValueError(f"unknown control(s) {unknown}; accepted: {', '.join(CONTROLS)}")
-    from hicache_async_ack.features import prefetch_votes, vote_apply, vote_pass
-
     if not names:
-        yield
-        return
-    state = prefetch_votes.FEATURE.state_of(cache)
-    if state is None:
-        raise ValueError(f"controls {list(names)}: the plugin holds no vote state on this cache")
-    with ExitStack() as stack:
-        if "after_pops" in names:
-            held: list = []
+        return {}
+    from hicache_async_ack.features.prefetch_votes import PrefetchVoteState
+    from hicache_async_ack.features.vote_landing import Landing, Pins
+    from hicache_async_ack.protocol.votes import VOTE_SLOTS
 
-            def take(c, token, reduced):
-                held.append(state.book.read(token, reduced))
+    class ControlPins(Pins):
+        def pin(self, cache: Any, handle: Any, node: Any) -> None:
+            if "no_pins" not in names:
+                super().pin(cache, handle, node)
 
-            def after_pops(c):
-                while held:
-                    vote_apply.apply(state, c, held.pop(0))
+        def release_all(self, cache: Any) -> None:
+            if "unbounded_pins" not in names:
+                super().release_all(cache)
 
-            end = vote_pass.end_pass
+    class ControlLanding(Landing):
+        pins_class = ControlPins
 
-            def end_pass(s, c):
-                if s.mode == vote_pass.RIDE_UPSTREAM:
-                    after_pops(c)
-                end(s, c)
+        def kv_landed(self, cache: Any, op: Any) -> bool:
+            return False if "no_exemption" in names else super().kv_landed(cache, op)
 
-            state.take, state.after_pops = take, after_pops
-            stack.enter_context(patched(vote_pass, "end_pass", end_pass))
-        if "no_exemption" in names:
-            stack.enter_context(patched(vote_apply, "kv_landed", lambda c, op: False))
-        if "drop_overflow" in names:
-            poll = state.book.poll
+    class ControlVotes(PrefetchVoteState):
+        landing_class = ControlLanding
+        held: list = []
 
-            def dropping(key, op, expired, decided=None):
-                return True if decided is not None else poll(key, op, expired)
+        def land(self, cache: Any, token: Any, reduced: Any, exchange: Any) -> None:
+            if "after_pops" not in names:
+                return super().land(cache, token, reduced, exchange)
+            self.held = self.held + [self.book.read(token, reduced, exchange)]
 
-            state.book.poll = dropping
-        if "no_provisional" in names:
+        def after_pops(self, cache: Any) -> None:
+            self.flush(cache)
 
-            def start(s, c, original, request, args, kwargs):
-                return original(c, request, *args, **kwargs)
+        def end_pass(self, cache: Any) -> None:
+            self.flush(cache)
+            super().end_pass(cache)
 
-            stack.enter_context(patched(vote_apply, "start", start))
-        if "immediate_calls" in names:
-            stack.enter_context(patched(prefetch_votes, "deferring", lambda s: False))
-        if "no_pins" in names:
-            state.pins.pin = lambda c, handle, node: None
-        if "keys_only" in names:
-            admit = state.book.admit
-            state.book.admit = lambda key, prefix, extend: admit(key, 0, 0)
-        yield
+        def flush(self, cache: Any) -> None:
+            held, self.held = self.held, []
+            for verdicts in held:
+                self.landing.apply(cache, verdicts)
+
+        def reach(self, cache: Any, original: Any, operation: Any) -> bool:
+            past = self.active and len(self.book.reaches) >= VOTE_SLOTS
+            if past and self.landing.applying is None:
+                if "drop_overflow" in names:
+                    return False
+                if "walk_fallback" in names:
+                    return bool(original(cache, operation))
+            return super().reach(cache, original, operation)
+
+        def section(self, cache: Any) -> tuple[list[int], object]:
+            if "unreached_votes" in names:
+                from hicache_async_ack.features.vote_landing import operation_key
+
+                reached = {id(r.op) for r in self.book.reaches}
+                for h in sorted(cache.ongoing_prefetch, key=operation_key):
+                    op = cache.ongoing_prefetch[h].operation
+                    if id(op) not in reached:
+                        expired = bool(cache._prefetch_deadline_expired(op))
+                        self.book.poll(operation_key(h), op, expired)
+            return super().section(cache)
+
+        def admit(self, req: Any, prefix_len: int) -> None:
+            if "keys_only" not in names:
+                return super().admit(req, prefix_len)
+            if self.active:
+                from hicache_async_ack.features.vote_landing import operation_key
+
+                self.book.admit(operation_key(req.cache_request_handle), 0, 0)
+
+    return {"prefetch_votes": ControlVotes}

@@ -39,14 +39,14 @@ from types import SimpleNamespace
 from hicache_async_ack.env import ENABLE_VAR, PREFETCH_VOTES_VAR
 from hicache_async_ack_lab.sim.cache import build_cache
 from hicache_async_ack_lab.sim.prefetch import add_prefetch
-from hicache_async_ack_lab.testing.spec_ranks import run_specs
+from hicache_async_ack_lab.testing.spec_ranks import EventLog, plugin_environment, run_specs
 
 VARS = (ENABLE_VAR, PREFETCH_VOTES_VAR)
 
 
 def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
     from hicache_async_ack.features.ack_sync import after_init_hicache
-    from hicache_async_ack.features.prefetch_votes import (
+    from hicache_async_ack.features.vote_hooks import (
         after_init_hicache as after_init_hicache_prefetch,
     )
 
@@ -54,8 +54,11 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
     sim = build_cache(tp_group=group, tp_world_size=world, storage=True)
     ps = add_prefetch(sim, budget=lambda op: op.test_budget[rank], clock=clock)
     params = SimpleNamespace(enable_metrics=False)
-    after_init_hicache(None, sim.cache, None, params)
-    after_init_hicache_prefetch(None, sim.cache, None, params)
+    log = EventLog()
+    substitutes = {"prefetch_votes": loop_only()} if spec.get("loop_only_verdicts") else {}
+    with plugin_environment(log, substitutes):
+        after_init_hicache(None, sim.cache, None, params)
+        after_init_hicache_prefetch(None, sim.cache, None, params)
     shared = random.Random(spec["seed"])  # the same draws on every rank
     local = random.Random(spec["seed"] * 1000 + rank)  # this rank's own
     cache = sim.cache
@@ -80,11 +83,6 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
     out: dict = {"events": {}}
     total = spec["passes"] + spec.get("drain", 40)
     p = 0
-    from hicache_async_ack.features import vote_apply, vote_pass
-
-    applied, answer = vote_apply.apply, vote_pass.verdict
-    if spec.get("loop_only_verdicts"):
-        vote_apply.apply, vote_pass.verdict = loop_only(applied, answer)
     try:
         for p in range(total):
             clock.now = p
@@ -148,8 +146,6 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["traceback"] = traceback.format_exc()
         out["error_pass"] = p
-    finally:
-        vote_apply.apply, vote_pass.verdict = applied, answer
     from hicache_async_ack.features.prefetch_votes import FEATURE
 
     state = FEATURE.state_of(cache)
@@ -158,32 +154,32 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
         added=added,
         left=len(cache.ongoing_prefetch),
         raced=raced,
-        stopped_on_verdict=state.stopped if state else 0,
+        stopped_on_verdict=log.counts.get("stop", 0),
         pipelined=bool(state and state.active),
         checks=ps.checks,
     )
     return out
 
 
-def loop_only(apply, verdict):
-    """The negative control's pair: stops kept instead of applied at the
-    boundary, and answered where the walk reaches their operation."""
-    from hicache_async_ack.protocol.votes import Verdicts
+def loop_only() -> type:
+    """The negative control: the votes' state with stops kept instead of applied
+    at the boundary, and answered where a rank's walk reaches their operation."""
+    from hicache_async_ack.features.prefetch_votes import PrefetchVoteState
 
-    kept: list = []
+    class LoopOnlyVotes(PrefetchVoteState):
+        kept: list = []
 
-    def keep(state, cache, verdicts):
-        kept.extend(verdicts.stops())
-        rest = [e for e in verdicts.entries if e[1] != "reach"]
-        apply(state, cache, Verdicts(verdicts.pass_no, rest))
+        def land(self, cache, token, reduced, exchange) -> None:
+            verdicts = self.book.read(token, reduced, exchange)
+            self.kept = self.kept + [r.op for r, stop in verdicts if stop]
 
-    def answer(state, cache, original, operation, *a, **kw):
-        if state is not None and state.active and any(op is operation for op in kept):
-            state.stopped += 1
-            return True
-        return verdict(state, cache, original, operation, *a, **kw)
+        def reach(self, cache, original, operation) -> bool:
+            if self.active and any(op is operation for op in self.kept):
+                self.emit("stop", key=None)
+                return True
+            return super().reach(cache, original, operation)
 
-    return keep, answer
+    return LoopOnlyVotes
 
 
 def run_prefetch_specs(ctx, payload: dict) -> dict:

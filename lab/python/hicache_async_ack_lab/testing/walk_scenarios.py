@@ -29,7 +29,10 @@ chunked request's next chunk joins the batch first, through
 the TP group, laid out as SGLang does), env / rank_env, unreached_votes (bool:
 the negative control, every ongoing operation voted on at the boundary whether
 the walk reached it or not, as before the fix), control (the plugin with one
-guarantee taken out: :mod:`.diff_controls`).
+guarantee taken out: :mod:`.diff_controls`), reach ({rank: {pass: n}}: that
+rank's walk reaches at most n requests there, as one whose batch filled up
+first), swap ({rank: {pass: [i, j]}}: that rank's walk visits positions i and
+j in the other order, as one whose waiting queue diverged).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from hicache_async_ack_lab.sim.admission import SchedulerShim, adder_for, admit
 from hicache_async_ack_lab.sim.cache import build_cache
 from hicache_async_ack_lab.sim.prefetch import add_prefetch
 from hicache_async_ack_lab.testing import diff_controls
-from hicache_async_ack_lab.testing.spec_ranks import run_specs
+from hicache_async_ack_lab.testing.spec_ranks import EventLog, plugin_environment, run_specs
 
 VARS = (ENABLE_VAR, PREFETCH_VOTES_VAR, DEPTH_VAR)
 GROUP_TIMEOUT_S = 20.0
@@ -77,7 +80,7 @@ def counting(calls: list):
     return wrap
 
 
-def build(spec: dict, rank: int, world: int, group, clock, calls: list):
+def build(spec: dict, rank: int, world: int, group, clock, calls: list, log: EventLog):
     from hicache_async_ack.kit import collectives as adapter
 
     topology: dict = {}
@@ -114,34 +117,18 @@ def build(spec: dict, rank: int, world: int, group, clock, calls: list):
                 stage_completed_prefetch=lambda *a, **k: None,
             )
         if plugin_loaded(cache):
-            from hicache_async_ack.features import ack_sync, prefetch_votes
+            from hicache_async_ack.features import ack_sync, vote_hooks
 
             params = SimpleNamespace(enable_metrics=False)
-            ack_sync.after_init_hicache(None, cache, None, params)
-            prefetch_votes.after_init_hicache(None, cache, None, params)
+            names = list(spec.get("control", []))
             if spec.get("unreached_votes"):
-                vote_unreached(prefetch_votes.FEATURE.state_of(cache), cache)
+                names.append("unreached_votes")
+            with plugin_environment(log, diff_controls.substitutes(names)):
+                ack_sync.after_init_hicache(None, cache, None, params)
+                vote_hooks.after_init_hicache(None, cache, None, params)
     finally:
         adapter.use_collectives(previous)
     return sim, ps
-
-
-def vote_unreached(state, cache) -> None:
-    """The negative control: before each section, every ongoing operation counts
-    as reached with this rank's deadline now (the votes before the fix)."""
-    from hicache_async_ack.features.vote_apply import operation_key
-
-    close = state.book.close
-
-    def close_all(n, policy, label=""):
-        reached = {id(r.op) for r in state.book.reaches}
-        for h in sorted(cache.ongoing_prefetch, key=operation_key):
-            op = cache.ongoing_prefetch[h].operation
-            if id(op) not in reached:
-                state.book.poll(operation_key(h), op, state.vote(cache, op))
-        return close(n, policy, label)
-
-    state.book.close = close_all
 
 
 def walk(spec: dict, rank: int, p: int, cache, ps, handles: dict, waiting: list) -> list:
@@ -156,8 +143,14 @@ def walk(spec: dict, rank: int, p: int, cache, ps, handles: dict, waiting: list)
     chunk = spec.get("chunked", {}).get(str(p))
     if chunk is not None and cap > 0:  # the chunked request's next chunk goes first
         continue_chunk(cache, chunk, rank, handles)
-    for rid in list(waiting):
-        if len(admitted) >= cap:
+    order = list(waiting)
+    swap = spec.get("swap", {}).get(str(rank), {}).get(str(p))
+    if swap is not None:
+        i, j = swap
+        order[i], order[j] = order[j], order[i]
+    reach = spec.get("reach", {}).get(str(rank), {}).get(str(p))
+    for at, rid in enumerate(order):
+        if len(admitted) >= cap or (reach is not None and at >= reach):
             break  # batch_is_full: before the check
         h = handles[rid]
         if not ps.check(h):
@@ -196,7 +189,8 @@ def prefix(spec: dict, rank: int, p: int, rid: str) -> int:
 def run_walk(spec: dict, rank: int, world: int, group) -> dict:
     clock = SimpleNamespace(now=-1)
     calls = [0, 0]  # async issues, blocking _all_reduce calls
-    sim, ps = build(spec, rank, world, group, clock, calls)
+    log = EventLog()
+    sim, ps = build(spec, rank, world, group, clock, calls, log)
     cache = sim.cache
     scheduler = SchedulerShim(cache)
     handles: dict = {}
@@ -205,36 +199,34 @@ def run_walk(spec: dict, rank: int, world: int, group) -> dict:
     per_pass: list = []
     out: dict = {"plugin": plugin_loaded(cache)}
     p = 0
-    controls = spec.get("control", []) if out["plugin"] else []
     try:
-        with diff_controls.controls(controls, cache):
-            for p in range(spec["passes"]):
-                clock.now = p
-                before, mark = len(ps.ended), list(calls)
-                for r in spec["requests"]:
-                    if r["arrive"] == p:
-                        h = handles[r["rid"]] = ps.add(r["rid"])
-                        op = cache.ongoing_prefetch[h].operation
-                        op.test_budget = per_rank(r.get("budget", ALL), rank)
-                        finish = per_rank(r.get("finish"), rank)
-                        if finish is not None:
-                            reads.append((finish, op, ps.read_queue()))
-                        waiting.append(r["rid"])
-                for due in [x for x in reads if x[0] <= p]:
-                    reads.remove(due)
-                    ps.complete(due[1], due[2])
-                scheduler.boundary()  # check_hicache_events, through the scheduler's method
-                admitted = walk(spec, rank, p, cache, ps, handles, waiting)
-                scheduler.forward_ct += bool(admitted)  # a batch ran
-                per_pass.append(
-                    {
-                        "ended": [[list(k), why] for k, why in ps.ended[before:]],
-                        "admitted": admitted,
-                        "async": calls[0] - mark[0],
-                        "blocking": calls[1] - mark[1],
-                        "waiting": len(waiting),
-                    }
-                )
+        for p in range(spec["passes"]):
+            clock.now = p
+            before, mark = len(ps.ended), list(calls)
+            for r in spec["requests"]:
+                if r["arrive"] == p:
+                    h = handles[r["rid"]] = ps.add(r["rid"])
+                    op = cache.ongoing_prefetch[h].operation
+                    op.test_budget = per_rank(r.get("budget", ALL), rank)
+                    finish = per_rank(r.get("finish"), rank)
+                    if finish is not None:
+                        reads.append((finish, op, ps.read_queue()))
+                    waiting.append(r["rid"])
+            for due in [x for x in reads if x[0] <= p]:
+                reads.remove(due)
+                ps.complete(due[1], due[2])
+            scheduler.boundary()  # check_hicache_events, through the scheduler's method
+            admitted = walk(spec, rank, p, cache, ps, handles, waiting)
+            scheduler.forward_ct += bool(admitted)  # a batch ran
+            per_pass.append(
+                {
+                    "ended": [[list(k), why] for k, why in ps.ended[before:]],
+                    "admitted": admitted,
+                    "async": calls[0] - mark[0],
+                    "blocking": calls[1] - mark[1],
+                    "waiting": len(waiting),
+                }
+            )
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["traceback"] = traceback.format_exc()
@@ -247,8 +239,8 @@ def run_walk(spec: dict, rank: int, world: int, group) -> dict:
     out.update(
         per_pass=per_pass,
         left=sorted(h.rid for h in cache.ongoing_prefetch),
-        stopped_on_verdict=state.stopped if state else 0,
-        sections=state.sections if state else 0,
+        stopped_on_verdict=log.counts.get("stop", 0),
+        sections=log.counts.get("section", 0),
         mode=state.mode if state else None,
     )
     return out

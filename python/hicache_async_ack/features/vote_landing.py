@@ -1,0 +1,157 @@
+"""Where the prefetch votes' verdicts land on SGLang's UnifiedRadixCache: right
+after a section is read back, before that boundary's pops, in walk order.
+
+That point holds the agreed state stock's walk saw when it made these
+decisions: the pops since the walk are those stock did before its walk (the
+ack counts' reduce of pass p is popped at pass p + depth), and the pops of
+this boundary, which stock did after its walk, have not run yet
+(docs/design.md). So a stop runs through upstream's own code there:
+``check_prefetch_progress`` with ``_can_terminate_prefetch`` answering yes for
+that operation (:attr:`Landing.applying`); under ``timeout`` only where
+``_prefetch_deadline_expired``'s KV-landed exemption does not hold on that
+state, judged with the group's verdict in place of this rank's clock.
+
+Stock admits a stopped request in the same walk visit, so no pop runs between
+its stop and its admission; here this boundary's pops run in between. The
+node a stop inserts is therefore host-locked (:class:`Pins`) for one pass: to
+the request's admission or abort, and at the latest to the next pass boundary,
+so a request the walk does not admit (a full batch, a refusal, a PD decode
+request loaded back by the transfer queue) holds nothing longer.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+from ..names import LOGGER_NAME
+from ..protocol.votes import Verdicts
+
+logger = logging.getLogger(LOGGER_NAME)
+PREDICATE = "_prefetch_deadline_expired"
+Emit = Callable[..., None]
+
+
+def operation_key(handle: Any) -> tuple[Any, Any]:
+    return (handle.rid, handle.attempt_id)
+
+
+class Pins:
+    """Host locks on the nodes stops inserted, for one pass at most."""
+
+    def __init__(self, emit: Emit) -> None:
+        self.held: dict[Any, tuple[Any, Any]] = {}  # handle -> (node id, dec params)
+        self.emit = emit
+        self.said = False
+
+    def pin(self, cache: Any, handle: Any, node: Any) -> None:
+        self.release(cache, handle, "replaced")
+        self.held[handle] = (node, cache.inc_host_lock_ref(node).to_dec_params())
+        self.emit("pin", key=operation_key(handle))
+
+    def release(self, cache: Any, handle: Any, why: str) -> None:
+        held = self.held.pop(handle, None)
+        if held is not None:
+            cache.dec_host_lock_ref(*held)
+            self.emit("unpin", key=operation_key(handle), why=why)
+
+    def release_all(self, cache: Any) -> None:
+        """The pass is over: what its walk did not admit is unpinned."""
+        for handle in list(self.held):
+            self.release(cache, handle, "pass")
+
+    def forget(self) -> None:
+        """The tree was reset: its nodes, and their locks, are gone."""
+        self.held.clear()
+
+    def cannot_watch(self, cache: Any) -> None:
+        if not self.said and cache.cache_controller is not None:
+            self.said = True
+            logger.warning(
+                "HiCache prefetch votes: %s.insert_host cannot be watched: the pages a stop "
+                "inserts are not host-locked until the walk that follows (they can be "
+                "evicted by that boundary's pops, where stock admits at once)",
+                type(cache.tree_core).__name__,
+            )
+
+
+class Landing:
+    """Applies one interval's verdicts; owns the operation a stop is being
+    applied to (what ``_can_terminate_prefetch`` answers meanwhile) and the pins."""
+
+    pins_class: type[Pins] = Pins
+
+    def __init__(self, emit: Emit) -> None:
+        self.applying: Optional[object] = None
+        self.pins = self.pins_class(emit)
+        self.emit = emit
+
+    def apply(self, cache: Any, verdicts: Verdicts) -> int:
+        """Every stop of one interval, in walk order; returns how many landed."""
+        stopped = 0
+        for reach, stop in verdicts:
+            self.emit("verdict", key=reach.key, stop=stop)
+            if stop and self.stop(cache, reach.op):
+                stopped += 1
+        return stopped
+
+    def stop(self, cache: Any, op: Any) -> bool:
+        """End ``op`` as stock's walk ended it, if it is still its request's
+        operation (one that completed or was aborted since is left alone)."""
+        info = cache.ongoing_prefetch.get(op.handle)
+        if info is None or info.operation is not op or op.is_terminated():
+            return False
+        if cache.prefetch_stop_policy == "timeout" and self.kv_landed(cache, op):
+            return False  # stock's predicate says no at the reach: the prefetch goes on
+        self.applying = op
+        try:
+            with captured_insert(cache) as inserted:
+                cache.check_prefetch_progress(op.handle)
+        finally:
+            self.applying = None
+        self.emit("stop", key=operation_key(op.handle))
+        if inserted is None:
+            self.pins.cannot_watch(cache)
+        elif inserted:
+            self.pins.pin(cache, op.handle, inserted[-1])
+        return True
+
+    def kv_landed(self, cache: Any, op: Any) -> bool:
+        """Whether upstream's deadline predicate exempts ``op`` on this state: asked
+        with the group's verdict (the deadline passed) in place of this rank's clock."""
+        wait = cache._storage_prefetch_wait.get(op.handle)
+        if wait is None:
+            return True  # never polled here: no deadline of this rank to judge
+        saved = wait.expired
+        wait.expired = True
+        try:
+            return not getattr(cache, PREDICATE)(op)
+        finally:
+            wait.expired = saved
+
+
+@contextmanager
+def captured_insert(cache: Any) -> Iterator[Optional[list[Any]]]:
+    """The host nodes ``tree_core.insert_host`` creates while the block runs
+    (None: a tree core whose insert cannot be watched)."""
+    tree = cache.tree_core
+    found: list[Any] = []
+    inst = getattr(tree, "__dict__", None)
+    real = getattr(tree, "insert_host", None)
+    if inst is None or real is None or "insert_host" in inst:
+        yield None
+        return
+
+    def insert_host(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        node = getattr(result, "inserted_host_node", None)
+        if node is not None and not getattr(result, "host_insert_dropped", False):
+            found.append(node)
+        return result
+
+    inst["insert_host"] = insert_host
+    try:
+        yield found
+    finally:
+        inst.pop("insert_host", None)
