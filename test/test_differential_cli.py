@@ -29,8 +29,9 @@ def test_a_replayed_finding_matches_stock(tmp_path, capsys):
     path.write_text(json.dumps(FINDING))
     rc, out, _ = run_cli(capsys, "--replay", str(path))
     assert rc == 0, out
-    assert "1 scenarios, 0 differ from stock" in out, out
-    assert "stopped 1" in out  # what it exercised is printed
+    assert "1 scenarios, 0 differ from stock (0 on a hard clause" in out, out
+    assert "stop 1" in out  # what it exercised is printed
+    assert "resources (rank 0), stock / plugin: L3 queries 1 / 1, reads 1 / 1" in out, out
 
 
 def test_a_difference_is_shown_as_a_scenario_to_replay(tmp_path, capsys):

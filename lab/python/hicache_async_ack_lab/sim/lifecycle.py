@@ -18,13 +18,18 @@ progress and final acks; host releases), ``_handle_prefetch_result``,
 * the tree's side (:class:`LifecycleTree`): an inserted prefix is a node
   holding its host pages; ``cold`` nodes stand for other requests' cached
   prefixes, evicted oldest first; a request's own node is evictable only in
-  ``exposed`` mode, until the request is admitted (SGLang's load-back then
-  holds it), and never while a host lock holds it;
+  ``exposed`` mode, while the request is not running (SGLang's load-back holds
+  it from its admission until it finishes), never while a host lock holds it
+  nor while a node inserted on top of it is there; requests that share a
+  prefix insert it once (the second insert finds it: upstream frees its copy);
 * the storage (:class:`Script`): per rank, a hit answer, read progress and the
   final ack, each delivered a number of passes after the prefetch was
   submitted, with the values every rank agrees on (upstream's query and sync
   threads MIN-reduce them before the scheduler sees them), capped by what the
-  allocation kept when the scheduler reads them;
+  allocation kept when the scheduler reads them; one script per submission of a
+  request (a storage retry submits again), and the synchronous hit query of a
+  PD decode node's prealloc (``_storage_hit_query``) answered from the next
+  one; every L3 query and every read started is counted;
 * the deadline (:class:`PassTimer`): upstream's admission-poll timer counted in
   passes, per rank, from the first check that finds the prefetch unfinished.
 
@@ -126,6 +131,8 @@ class Node:
     cold: bool = False
     admitted: bool = False
     locks: int = 0
+    tokens: tuple = ()  # the token ids from the root to this node's end
+    parent: int = ROOT
 
 
 class LifecycleTree(SimTreeCore):
@@ -138,7 +145,7 @@ class LifecycleTree(SimTreeCore):
         self.is_eagle = False
         self.nodes: dict[int, Node] = {}
         self.by_key: dict = {}
-        self.owners: dict = {}  # a prompt's first token -> its request's key
+        self.owner: Any = None  # the request whose prefetch result is being inserted
         self._next = ROOT + 1
 
     def add_cold(self, name: str, pages) -> None:
@@ -171,13 +178,27 @@ class LifecycleTree(SimTreeCore):
 
         if len(key) == 0:
             return InsertResult(prefix_len=0, mamba_exist=True)
-        owner = self.owners[int(key.token_ids[0])]
-        node = Node(self._next, owner, host_value.clone())
+        tokens = tuple(int(t) for t in key.token_ids)
+        # the deepest node already holding a prefix of these tokens (a shared prefix)
+        parent = max(
+            (n for n in self.nodes.values() if n.tokens and tokens[: len(n.tokens)] == n.tokens),
+            key=lambda n: len(n.tokens),
+            default=None,
+        )
+        prefix = 0 if parent is None else len(parent.tokens)
+        owner = self.owner
+        node = Node(self._next, owner, host_value[prefix:].clone(), tokens=tokens,
+                    parent=ROOT if parent is None else parent.id)  # fmt: skip
         self._next += 1
-        self.nodes[node.id] = node
-        self.by_key[owner] = node.id
-        self.record.add(owner, "inserted", len(key))
-        return InsertResult(prefix_len=0, total_len=len(key), inserted_host_node=node.id)
+        if prefix < len(tokens):
+            self.nodes[node.id] = node
+            self.by_key[owner] = node.id
+        self.record.add(owner, "inserted", len(key), prefix)
+        return InsertResult(prefix_len=prefix, total_len=len(key), inserted_host_node=node.id)
+
+    def host_locks(self) -> int:
+        """Host locks held on the tree's nodes (prefetch anchors, pins)."""
+        return sum(n.locks for n in self.nodes.values())
 
     def commit_hicache_transfers(self, *args, **kwargs) -> None:
         pass
@@ -187,18 +208,26 @@ class LifecycleTree(SimTreeCore):
         if node is not None:
             node.admitted = True
 
+    def finished(self, key) -> None:
+        """The request finished running: its node is the tree's again."""
+        node = self.nodes.get(self.by_key.get(key, -1))
+        if node is not None:
+            node.admitted = False
+
     def evictable(self, node: Node) -> bool:
         if node.locks or node.admitted:
             return False
+        if any(n.parent == node.id for n in self.nodes.values()):
+            return False  # a leaf first
         return node.cold or self.exposed
 
     def evict(self, num_tokens: int, pool: HostPool) -> int:
         freed = 0
-        for node in sorted(self.nodes.values(), key=lambda n: n.id):
-            if freed >= num_tokens:
+        while freed < num_tokens:
+            node = next((n for n in sorted(self.nodes.values(), key=lambda n: n.id)
+                         if self.evictable(n)), None)  # fmt: skip
+            if node is None:
                 break
-            if not self.evictable(node):
-                continue
             del self.nodes[node.id]
             pool.free(node.pages)
             freed += len(node.pages)
@@ -251,7 +280,13 @@ class LifecycleController(SimController):
         self.pp_prefetch_decisions: dict = {}
         self.pp_prefetch_command_group = None
         self.storage_backend = self
-        self.scripts: dict = {}  # rid -> Script for this rank
+        self.scripts: dict = {}  # rid -> [Script per submission] for this rank
+        self.submitted: dict = {}  # rid -> submissions so far
+        self.l3_queries = 0  # hit queries sent to the store (prefetches, decode probes)
+        self.reads = 0  # reads started
+        self.probing: Any = None  # the rid a decode prealloc's probe is for (its handle is a dummy)
+        # work started where stock's own rule says no, on this state (must stay 0)
+        self.bypassed: dict[str, int] = {}
         self.delay = 0  # this rank's storage reports this many passes late
         self.due: list = []  # (wall pass, order, callable)
         self.scheduled = 0
@@ -285,12 +320,34 @@ class LifecycleController(SimController):
 
         op = PrefetchOperation(handle, prefetch_key, last_hash, prefix_keys=prefix_keys)
         op.ack_releases_incomplete_host_indices = False  # until its read starts
-        script = self.scripts.get(handle.rid)
+        if self.host_memory_mode == "cache" and self.prefetch_rate_limited():
+            self.bypass("a prefetch started past the limiter")
+        script = self.next_script(handle.rid)
+        self.l3_queries += 1
+        self.record.add(handle_key(handle), "query")
         if script is not None:
             self._schedule(op, script)
         return PrefetchSubmission(operation=op)
 
+    def next_script(self, rid, peek: bool = False) -> Optional[Script]:
+        scripts = self.scripts.get(rid) or []
+        n = self.submitted.get(rid, 0)
+        if not peek:
+            self.submitted[rid] = n + 1
+        return scripts[min(n, len(scripts) - 1)] if scripts else None
+
+    def _storage_hit_query(self, operation):
+        """A PD decode prealloc's synchronous probe: the hit of the request's
+        next submission, as the store answers it now."""
+        script = self.next_script(self.probing, peek=True)
+        hit = 0 if script is None or script.hit_at is None else script.hit_tokens
+        if self.prefetch_rate_limited():
+            self.bypass("an L3 probe past the limiter")
+        self.l3_queries += 1
+        return [f"{operation.handle.rid}:{i}" for i in range(hit)], hit
+
     def _schedule(self, op, s: Script) -> None:
+        op.script = s
         now = self.clock.now
         if s.hit_at is not None:
             self._due(now + s.hit_at, lambda: self._answer(op, s))
@@ -328,9 +385,15 @@ class LifecycleController(SimController):
     def _ack(self, op, tokens: Optional[int], completed_req: bool) -> None:
         cast(Any, self.ack_prefetch_queue).put(SimAck(self.next_uid(), op, tokens, completed_req))
 
+    def bypass(self, what: str) -> None:
+        self.bypassed[what] = self.bypassed.get(what, 0) + 1
+
     def put(self, op) -> None:  # prefetch_buffer.put: the read starts
         op.ack_releases_incomplete_host_indices = True
-        s = self.scripts.get(op.handle.rid)
+        self.reads += 1
+        if op.is_terminated():
+            self.bypass("a read of an ended prefetch")
+        s = getattr(op, "script", None)
         if self.host_memory_mode == "buffer_only" and s is not None:
             hit_at = s.hit_at or 0  # the offsets count from the hit answer here
             start = self.clock.now + self.delay - hit_at
@@ -345,6 +408,8 @@ class LifecycleController(SimController):
         return self.pool.alloc(need_size)
 
     def allocate_storage_hit(self, operation, hit_tokens, *, allow_partial, min_tokens, evict_host):
+        if operation.is_terminated():
+            self.bypass("a host allocation for an ended prefetch")
         pool = self.pool
         host = pool.alloc(hit_tokens)
         if host is None:

@@ -1,7 +1,9 @@
 """``hicache-async-ack-lab differential``: stock SGLang against the plugin on N
 random prefetch-lifecycle scenarios (or one to replay), over real gloo at TP=2,
-request by request (:mod:`.diff_compare`); prints how many differ and the
-first difference as a scenario to replay."""
+driven as the scheduler drives it (:mod:`.diff_compare`); prints how many fail
+(a hard clause anywhere, an outcome where the walk was not limited), the
+outcomes that moved where it was, L3 queries, reads and locks plugin vs stock,
+and the first failure as a scenario to replay."""
 
 from __future__ import annotations
 
@@ -12,13 +14,15 @@ from pathlib import Path
 
 from hicache_async_ack.tools.options import ToolError
 
-SUMMARY = "stock vs the plugin, request by request, on random prefetch scenarios"
+SUMMARY = "stock vs the plugin on random prefetch scenarios, driven as the scheduler does"
 DESCRIPTION = (
-    SUMMARY + ". Each scenario (arrivals, hit answers, read progress, deadlines, aborts, "
-    "requeues, full batches, more than 256 ongoing, depth 1 and 2, every stop policy and "
-    "host memory mode) runs on SGLang's real UnifiedRadixCache at TP=2 over real gloo, "
-    "once with the plugin and once without; every request's outcome must be stock's, "
-    "its admission at most depth + 1 passes later."
+    SUMMARY + ". Each scenario (arrivals, slow hit answers, read progress, deadlines, "
+    "aborts, requeues, storage retries, shared prefixes, walks limited by arrival or by "
+    "what the batch admitted, PD decode probes and transfer queue, more than 256 ongoing, "
+    "depth 1 and 2, every stop policy and host memory mode) runs on SGLang's real "
+    "UnifiedRadixCache at TP=2 over real gloo, once with the plugin and once without. "
+    "Every scenario must hold the contract's hard clauses (agreement, liveness, "
+    "resources); where the walk was not limited, every outcome must be stock's."
 )
 
 
@@ -85,6 +89,14 @@ def load(path: str) -> list[dict]:
     return specs
 
 
+HARD = ("agreement", "liveness", "resources")
+
+
+def add(into: dict, more: dict) -> None:
+    for k, v in more.items():
+        into[k] = into.get(k, 0) + v
+
+
 def run(args) -> int:
     from hicache_async_ack_lab.testing import diff_compare, diff_gen
 
@@ -94,21 +106,33 @@ def run(args) -> int:
         if args.scenarios < 1 or args.batch < 1:
             raise ToolError("--scenarios and --batch take a positive count")
         specs = diff_gen.draw_scenarios(args.scenarios, args.seed, args.crowd_every)
+    from hicache_async_ack_lab.testing import diff_checks
+
     t0 = time.monotonic()
     bad: list = []
     seen: dict = {}
+    moves: dict = {}
+    totals: dict = {"stock": {}, "plugin": {}}
     for at in range(0, len(specs), args.batch):
         part = specs[at : at + args.batch]
         stock, plugin = diff_compare.run_arms(part, timeout_s=120.0 + 3.0 * len(part))
         bad += diff_compare.judge(part, stock, plugin)
-        for k, v in diff_compare.coverage(part, stock, plugin).items():
-            seen[k] = seen.get(k, 0) + v
+        add(seen, diff_compare.coverage(part, stock, plugin))
+        add(moves, diff_compare.outcome_moves(part, stock, plugin))
+        for arm, t in diff_checks.totals(part, stock, plugin).items():
+            add(totals[arm], t)
         done = at + len(part)
-        print(f"differential: {done}/{len(specs)} run, {len(bad)} differ "
+        print(f"differential: {done}/{len(specs)} run, {len(bad)} fail "
               f"({time.monotonic() - t0:.0f} s)", flush=True)  # fmt: skip
+    hard = sum(1 for _, d in bad if any(x.split(":")[0] in HARD for x in d))
+    took = time.monotonic() - t0
     print(f"differential: {len(specs)} scenarios, {len(bad)} differ from stock "
-          f"(seed {args.seed}, {time.monotonic() - t0:.0f} s)")  # fmt: skip
+          f"({hard} on a hard clause; seed {args.seed}, {took:.0f} s)")  # fmt: skip
     print("differential: exercised: " + ", ".join(f"{k} {v}" for k, v in seen.items()))
+    print("differential: outcomes where the walk was limited: "
+          + ", ".join(f"{k} {v}" for k, v in moves.items()))  # fmt: skip
+    print("differential: resources (rank 0), stock / plugin: " + ", ".join(
+        f"{k} {totals['stock'][k]} / {totals['plugin'][k]}" for k in totals["stock"]))  # fmt: skip
     if bad:
         spec, diffs = bad[0]
         print(diff_compare.replay_text(spec, diffs, args.show))

@@ -1,15 +1,20 @@
-"""Stock's outcome against the plugin's, request by request, for the scenarios
-of :mod:`.differential`; and the runs themselves (both arms over real gloo).
+"""Stock's run against the plugin's, for the scenarios of :mod:`.differential`;
+and the runs themselves (both arms over real gloo).
 
-A request's outcome is everything its prefetch lifecycle did, in order, without
-the passes: how it arrived, its host allocation (requested, kept), whether its
-read started, what was inserted into the tree, how its accounting closed (the
-end reason), whether it was revoked or retired, the retries armed, whether its
-pages were evicted, its admission and the tokens it was admitted with. Beside
-them, the whole run's: upstream's prefetch-outcome counters, the storage
-metrics, every storage entry popped, the free host pages, the occupancy, and
-what is left waiting or ongoing. The plugin may move a request's admission
-later, by at most depth + 1 passes, and nothing else.
+Every scenario must pass the contract's hard clauses (:mod:`.diff_checks`).
+Outcomes are then compared exactly where the walk was not limited by what the
+batch admitted: a request's outcome is everything its prefetch lifecycle did,
+in order, without the passes (arrival, L3 query, host allocation, read,
+insert, end reason and tokens, revoke, retire, retries, eviction, admission
+and its tokens), and beside them the run's counters, pops, free host pages,
+occupancy and what is left; the plugin may move an admission later by at most
+depth + 1 passes, or later where the walk could not reach the request
+(arrival-based limits). Where the walk *was* limited (a token budget, a full
+batch, a refusal, the prefetch limiter answering otherwise), or a scheduler
+event met the request in another state (an abort, which needs no verdict and
+meets the cache as it is; a storage retry coming due after a stop made depth
++ 1 passes later), outcomes move the way any timing shift moves them: they are
+counted (:func:`outcome_moves`), not required equal.
 """
 
 from __future__ import annotations
@@ -17,92 +22,39 @@ from __future__ import annotations
 import json
 from typing import Iterable, Optional
 
-from hicache_async_ack.env import DEPTH_VAR, PLUGINS_VAR
+from hicache_async_ack.env import PLUGINS_VAR
+from hicache_async_ack_lab.testing.diff_checks import depth_of, hard_violations
+from hicache_async_ack_lab.testing.diff_records import (  # noqa: F401 (re-exported)
+    RUN_KEYS,
+    admissions,
+    ends,
+    lifecycle,
+    limited_by,
+    passes_of,
+)
 
 TARGET = "hicache_async_ack_lab.testing.differential:run_differential"
 WORLD = 2
 GROUP_TIMEOUT_S = 20.0
-# Timer starts are not outcomes: the plugin's walk reaches a request whose read
-# stock had already seen complete (its acks are drained a pass later).
-NOT_OUTCOMES = ("polled",)
-# The scheduler's side of a request's end: an abort that reaches the plugin's run
-# while the request still waits for its (later) admission is not a difference.
-SCHEDULER_ENDS = ("aborted", "admitted", "admission")
-SCHEDULER_EVENTS = ("arrived", "aborted")
-# Not the pops: a provisional start the plugin revoked still had its query
-# answered (upstream's query thread answers a terminated operation too).
-RUN_KEYS = ("stats", "metrics", "free_pages", "occupied", "waiting", "ongoing")
 
 
-def lifecycle(result: dict) -> dict:
-    """Per request (rid, attempt): its events without passes, in order; the
-    scheduler's own (arrived, aborted) first: they happen at the same pass in
-    both runs, where the cache's lag behind them in the plugin's."""
-    out: dict = {}
-    for _, key, kind, detail in result["events"]:
-        if kind in NOT_OUTCOMES:
-            continue
-        out.setdefault(json.dumps(key), []).append([kind, detail])
-    return {k: sorted(v, key=lambda e: e[0] not in SCHEDULER_EVENTS) for k, v in out.items()}
+def lateness(spec: dict, stock: dict, plugin: dict, most: int):
+    """``late_ok(key, stock_pass, plugin_pass)``: the plugin may admit at most
+    ``most`` passes later (from the request's arrival in each run), or later
+    where its walk could not reach the request (a full pass, a cutoff)."""
+    s_arr, p_arr = passes_of(stock, "arrived"), passes_of(plugin, "arrived")
+    limits = spec.get("limits", {})
+    full = set(limits.get("full", ()))
+    cutoff = {int(q): a for q, a in limits.get("cutoff", {}).items()}
 
+    def blocked(key: str, q: int) -> bool:
+        return q in full or (q in cutoff and p_arr.get(key, -1) >= cutoff[q])
 
-def passes_of(result: dict, kind: str) -> dict:
-    return {json.dumps(k): at for at, k, what, _ in result["events"] if what == kind}
+    def late_ok(key: str, s_at: int, p_at: int) -> bool:
+        expected = p_arr.get(key, 0) + s_at - s_arr.get(key, 0)
+        return p_at >= expected and all(blocked(key, q) for q in range(expected + most, p_at))
 
-
-def admissions(result: dict) -> dict:
-    return passes_of(result, "admitted")
-
-
-def raced(stock: dict, plugin: dict, late_ok) -> set:
-    """Requests stock admitted that the plugin's run saw aborted while they still
-    waited for an admission it may make later (``late_ok``): the abort raced it."""
-    admitted, aborted = admissions(stock), passes_of(plugin, "aborted")
-    stock_aborted = passes_of(stock, "aborted")
-    return {
-        k for k, at in aborted.items()
-        if k in admitted and k not in stock_aborted and late_ok(k, admitted[k], at)
-    }  # fmt: skip
-
-
-def depth_of(spec: dict) -> int:
-    return int(spec.get("env", {}).get(DEPTH_VAR, "1"))
-
-
-def differences(spec: dict, stock: list, plugin: list) -> list[str]:
-    """What differs between the arms (every rank of each), in words; [] if none."""
-    name = spec["name"]
-    found: list[str] = []
-    for arm, ranks in (("stock", stock), ("plugin", plugin)):
-        for rank, res in enumerate(ranks):
-            if "error" in res[name]:
-                found.append(
-                    f"{arm} rank {rank} failed at pass {res[name]['error_pass']}: "
-                    f"{res[name]['error']}"
-                )
-    if found:
-        return found
-    if not all(r[name]["plugin"] for r in plugin) or any(r[name]["plugin"] for r in stock):
-        return ["the arms did not run as labelled (plugin loaded where it should not be)"]
-    most = depth_of(spec) + 1
-    for rank in range(len(stock)):
-        s, p = stock[rank][name], plugin[rank][name]
-        ls, lp = lifecycle(s), lifecycle(p)
-        late_ok = lateness(spec, s, p, most)
-        for key in raced(s, p, late_ok):
-            ls[key] = [e for e in ls[key] if e[0] not in SCHEDULER_ENDS]
-            lp[key] = [e for e in lp[key] if e[0] not in SCHEDULER_ENDS]
-        found += compare_requests(rank, ls, lp)
-        for key in RUN_KEYS:
-            if s[key] != p[key]:
-                found.append(f"rank {rank}: {key}: stock {s[key]} != plugin {p[key]}")
-        found += compare_shifts(rank, admissions(s), admissions(p), late_ok)
-    for arm, ranks in (("stock", stock), ("plugin", plugin)):
-        first = lifecycle(ranks[0][name])
-        for rank in range(1, len(ranks)):
-            if lifecycle(ranks[rank][name]) != first:
-                found.append(f"{arm}: rank {rank}'s lifecycle differs from rank 0's (diverged)")
-    return found
+    return late_ok
 
 
 def compare_requests(rank: int, s: dict, p: dict) -> list[str]:
@@ -118,36 +70,72 @@ def compare_requests(rank: int, s: dict, p: dict) -> list[str]:
     return out
 
 
-def lateness(spec: dict, stock: dict, plugin: dict, most: int):
-    """``late_ok(key, stock_pass, plugin_pass)``: whether the plugin's run may do at
-    ``plugin_pass`` what stock did at ``stock_pass`` for that request: counted from
-    the request's arrival in each run (a requeued attempt arrives later in the
-    plugin's), at most ``most`` passes later, or later where the walk could not
-    reach it in the passes between (a full batch, or a cutoff at or before its
-    arrival)."""
-    s_arr, p_arr = passes_of(stock, "arrived"), passes_of(plugin, "arrived")
-    full = set(spec.get("full", ()))
-    cutoff = {int(q): a for q, a in spec.get("cutoff", {}).items()}
+def exact_differences(spec: dict, stock: list, plugin: list) -> list[str]:
+    """Where the walk was not limited: every outcome stock's, admissions at
+    most depth + 1 passes later."""
+    name, found = spec["name"], []
+    most = depth_of(spec) + 1
+    for rank in range(len(stock)):
+        s, p = stock[rank][name], plugin[rank][name]
+        found += compare_requests(rank, lifecycle(s), lifecycle(p))
+        for key in RUN_KEYS:
+            if s[key] != p[key]:
+                found.append(f"rank {rank}: {key}: stock {s[key]} != plugin {p[key]}")
+        late_ok = lateness(spec, s, p, most)
+        a_s, a_p = admissions(s), admissions(p)
+        found += [
+            f"rank {rank}: request {k} admitted at pass {a_p[k]}, stock at {a_s[k]} "
+            "(allowed: depth + 1 later, or later where the walk could not reach it)"
+            for k in sorted(set(a_s) & set(a_p))
+            if not late_ok(k, a_s[k], a_p[k])
+        ]
+    return found
 
-    def blocked(key: str, q: int) -> bool:
-        return q in full or (q in cutoff and p_arr.get(key, -1) >= cutoff[q])
 
-    def late_ok(key: str, s_at: int, p_at: int) -> bool:
-        expected = p_arr.get(key, 0) + s_at - s_arr.get(key, 0)
-        return p_at >= expected and all(blocked(key, q) for q in range(expected + most, p_at))
+def differences(spec: dict, stock: list, plugin: list) -> list[str]:
+    """What fails for ``spec``: a hard clause anywhere, an outcome where the walk
+    was not limited ([] if none)."""
+    hard = hard_violations(spec, stock, plugin)
+    if hard or spec.get("expect_error"):
+        return hard
+    name = spec["name"]
+    if limited_by(spec, stock[0][name], plugin[0][name]):
+        return []
+    return exact_differences(spec, stock, plugin)
 
-    return late_ok
 
-
-def compare_shifts(rank: int, s: dict, p: dict, late_ok) -> list[str]:
-    """The plugin admits at most depth + 1 passes after stock, and later only
-    where its walk could not reach the request in the passes between."""
-    return [
-        f"rank {rank}: request {k} admitted at pass {p[k]}, stock at {s[k]} "
-        "(allowed: depth + 1 later, or later where the walk could not reach it)"
-        for k in sorted(set(s) & set(p))
-        if not late_ok(k, s[k], p[k])
-    ]
+def outcome_moves(specs: Iterable[dict], stock: list, plugin: list) -> dict:
+    """Where the walk was limited: how requests' outcomes moved (rank 0), both
+    directions: end reason, tokens admitted with, admission pass."""
+    out = {"limited scenarios": 0, "requests": 0, "same": 0, "end reason": 0,
+           "more tokens": 0, "fewer tokens": 0, "admitted earlier": 0,
+           "admitted later": 0, "only stock admitted": 0, "only plugin admitted": 0}  # fmt: skip
+    for spec in specs:
+        s, p = stock[0][spec["name"]], plugin[0][spec["name"]]
+        if "error" in s or "error" in p or not limited_by(spec, s, p):
+            continue
+        out["limited scenarios"] += 1
+        end_s, end_p = ends(s), ends(p)
+        tok_s = {json.dumps(k): d[0] for _, k, kind, d in s["events"] if kind == "admitted"}
+        tok_p = {json.dumps(k): d[0] for _, k, kind, d in p["events"] if kind == "admitted"}
+        a_s, a_p = admissions(s), admissions(p)
+        for key in sorted(set(lifecycle(s)) | set(lifecycle(p))):
+            out["requests"] += 1
+            moved = False
+            if end_s.get(key) != end_p.get(key):
+                out["end reason"] += 1
+                moved = True
+            if key in tok_s and key in tok_p and tok_s[key] != tok_p[key]:
+                out["more tokens" if tok_p[key] > tok_s[key] else "fewer tokens"] += 1
+                moved = True
+            if key in a_s and key in a_p and a_s[key] != a_p[key]:
+                out["admitted later" if a_p[key] > a_s[key] else "admitted earlier"] += 1
+                moved = True
+            elif (key in a_s) != (key in a_p):
+                out["only stock admitted" if key in a_s else "only plugin admitted"] += 1
+                moved = True
+            out["same"] += not moved
+    return out
 
 
 def jobs(specs: list[dict], timeout_s: float = 600.0) -> list:
@@ -180,25 +168,37 @@ def run_arms(specs: list[dict], timeout_s: float = 600.0) -> tuple[list, list]:
 
 
 def judge(specs: Iterable[dict], stock: list, plugin: list) -> list[tuple[dict, list[str]]]:
-    """(spec, differences) for every scenario that differs."""
+    """(spec, differences) for every scenario that fails."""
     return [(spec, d) for spec in specs if (d := differences(spec, stock, plugin))]
 
 
 def coverage(specs: Iterable[dict], stock: list, plugin: list) -> dict:
-    """What the scenarios exercised (rank 0): the plugin's held decisions, and
-    stock's lifecycle events, summed."""
+    """What the scenarios exercised (rank 0): the plugin's events, stock's
+    lifecycle events and the walks' limits, summed."""
     out: dict = {}
+
+    def add(key: str, n: int = 1) -> None:
+        out[key] = out.get(key, 0) + n
+
     for spec in specs:
         p, s = plugin[0][spec["name"]], stock[0][spec["name"]]
-        for k, v in p.get("votes", {}).items():
-            out[k] = out.get(k, 0) + v
+        for kind, f in p.get("plugin_events", []):
+            if kind in ("stop", "pin", "reach"):
+                add(kind)
+            if kind == "section" and f.get("overflow"):
+                add("overflow reaches", f["overflow"])
         for _, _, kind, detail in s.get("events", []):
             partial = kind == "alloc" and detail[1] not in (None, detail[0])
             key = "partial alloc" if partial else kind
-            if key in ("evicted", "partial alloc", "aborted", "retry", "admitted", "inserted"):
-                out[key] = out.get(key, 0) + 1
+            if key in ("evicted", "partial alloc", "aborted", "retry", "admitted", "inserted",
+                       "reissued", "probe", "loaded_back"):  # fmt: skip
+                add(key)
+            if kind == "inserted" and detail[1]:
+                add("shared prefix")
             if kind == "finish" and detail[1]:
-                out[f"end {detail[1]}"] = out.get(f"end {detail[1]}", 0) + 1
+                add(f"end {detail[1]}")
+        for lim in s.get("limits", []) + p.get("limits", []):
+            add(f"limit {lim[1]}")
     return dict(sorted(out.items()))
 
 

@@ -1,32 +1,47 @@
 """One differential scenario on real gloo ranks: SGLang's real UnifiedRadixCache
-on the prefetch lifecycle of :mod:`hicache_async_ack_lab.sim.lifecycle`, driven
-pass by pass as SGLang 0.5.23's scheduler drives it, with the plugin loaded or
-not (SGLANG_PLUGINS), so stock's outcome and the plugin's can be compared
-request by request (:mod:`.diff_compare`).
+on the prefetch lifecycle of :mod:`hicache_async_ack_lab.sim.lifecycle`,
+driven pass by pass as SGLang 0.5.23's scheduler drives it, with the plugin
+registered or not, so stock's run and the plugin's can be compared
+(:mod:`.diff_compare`, :mod:`.diff_checks`).
 
-A rank target for :mod:`hicache_async_ack.tools.ranks` (``run_differential``).
-Per pass p, in the scheduler's order: requests arrive (``_prefetch_kvcache``:
-``prefetch_from_storage``), requests are aborted (``release_aborted_request``),
-this rank's storage reports what its script says by now, then
-``check_hicache_events``, then the waiting-queue walk: nothing on a full pass;
-else every waiting request in arrival order, up to the first that arrived at
-or after the pass's cutoff (the batch filling up, by arrival: the same
-requests on every rank and in both arms), ``check_prefetch_progress``, and
-for a request whose prefetch is done its admission: ``pop_prefetch_loaded_span``
-and the admission accounting through ``PrefillAdder._account_prefill_cache_
-admission`` (which calls ``finish_storage_prefetch_admission``). A requeue
-brings an admitted request back as its next attempt, some passes after its
-admission (a retraction).
+A rank target for :mod:`hicache_async_ack_lab.testing.spec_ranks`
+(``run_differential``). Per pass p, in the scheduler's order: requests arrive
+(``_prefetch_kvcache``: ``prefetch_from_storage``; on a PD decode node the
+prealloc's ``query_storage_hit_length`` first, then the prefetch with its
+hit end), waiting requests are aborted (``release_aborted_request``), this
+rank's storage reports what its script says by now, running requests that
+are done finish, then the boundary (``Scheduler._process_hicache_events``:
+``check_hicache_events``) and the storage retries that are due
+(``StoragePrefetchRetries.pop_ready`` over the waiting queue, each re-issued
+through ``prefetch_from_storage``), then:
 
-The scenario spec (JSON; :mod:`.diff_gen` draws them): name, passes, policy,
-host_memory_mode, host_pages, capacity (prefetch_capacity_limit, tokens),
-threshold, exposed, cold ([[name, pages]]), full ([pass]), cutoff ({pass:
-arrival pass}), env, skew ([per rank]: how late each rank's storage reports,
-for the reads a parked hit starts), requests ([{rid, arrive, tokens, budget: [per rank, None:
-never], hit: {at: [per rank], tokens} or None, progress: [[[at per rank],
-tokens]], finish: [per rank] or None, abort: pass or None, requeue: passes
-after admission or None}]); ``at`` counts passes after the prefetch's
-submission.
+* prefill (``mode`` "prefill"): the waiting-queue walk of
+  ``get_new_batch_prefill``: it breaks on a spent token budget
+  (``budget_state``), a full batch (``get_num_allocatable_reqs``: the running
+  requests count) and an ``add_one_req`` refusal (the request's extend does
+  not fit the budget left: NO_TOKEN; the batch's first request is chunked),
+  and on the arrival-based limits (a full pass, a cutoff by arrival); a
+  request whose prefetch is done (``check_prefetch_progress``) has its span
+  popped and is admitted through
+  ``PrefillAdder._account_prefill_cache_admission``; with a limit on the
+  running requests it runs ``decode`` passes, then finishes (its pages are
+  the tree's again), else it runs to the end;
+* decode (``mode`` "decode"): the transfer queue, as
+  ``_try_hicache_queue_load_back``: ``check_prefetch_progress`` then
+  ``pop_prefetch_loaded_tokens``, the load-back taking the pages.
+
+After the last pass the run drains (no arrivals) until nothing is left or a
+limit is reached. What is recorded per rank: the lifecycle events
+(:class:`~hicache_async_ack_lab.sim.lifecycle.Record`), what limited the walk
+(``limits``), each pass's collectives, the L3 queries and reads, the host locks
+left, and the plugin's events (its reaches, verdicts, stops, pins).
+
+The spec (JSON; :mod:`.diff_gen` draws them): name, mode, passes, policy,
+host_memory_mode, host_pages, capacity, threshold, exposed, cold, env, skew
+(per rank), limits ({full: [pass], cutoff: {pass: arrival}, running: N,
+tokens: N}), retry ({interval, attempts}), requests ([{rid, arrive, tokens,
+family: [id, shared] or None, budget: [per rank] or None, scripts: [{hit: {at:
+[per rank], tokens} or None, progress, finish}], abort, requeue, decode}]).
 """
 
 from __future__ import annotations
@@ -37,7 +52,6 @@ from collections import defaultdict
 from types import SimpleNamespace
 
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR, PREFETCH_VOTES_VAR
-from hicache_async_ack_lab.sim.admission import SchedulerShim, adder_for, admit
 from hicache_async_ack_lab.sim.buffer_stage import BufferStage
 from hicache_async_ack_lab.sim.cache import build_cache
 from hicache_async_ack_lab.sim.lifecycle import (
@@ -49,10 +63,11 @@ from hicache_async_ack_lab.sim.lifecycle import (
     handle_key,
 )
 from hicache_async_ack_lab.testing import diff_controls
-from hicache_async_ack_lab.testing.spec_ranks import run_specs
+from hicache_async_ack_lab.testing.diff_scheduler import Scheduler
+from hicache_async_ack_lab.testing.spec_ranks import EventLog, plugin_environment, run_specs
 
 VARS = (ENABLE_VAR, PREFETCH_VOTES_VAR, DEPTH_VAR)
-TOKEN_BASE = 1_000_000  # request i attempt a prompts tokens from (i * 64 + a) * TOKEN_BASE
+DRAIN = 60  # passes after the last one, at most, for what is left to settle
 
 
 def per_rank(value, rank: int):
@@ -82,6 +97,9 @@ class RecordingRetries:
     def clear(self):
         self.inner.clear()
 
+    def pop_ready(self, waiting, interval, attempts):
+        return self.inner.pop_ready(waiting, interval, attempts)
+
 
 class MetricsRecorder:
     """The storage metrics collector: totals per metric and reason."""
@@ -100,21 +118,15 @@ class MetricsRecorder:
         return log
 
 
-def build(spec: dict, rank: int, world: int, group, clock):
+def build(spec: dict, rank: int, world: int, group, clock, log: EventLog, plugin: bool):
     from sglang.srt.mem_cache.unified_cache.component_type import BASE_COMPONENT_TYPE
 
     mode = spec.get("host_memory_mode", "cache")
     record = Record(clock)
     cc = LifecycleController(clock, record, spec["host_pages"], spec["capacity"], mode)
     tree = LifecycleTree(record, exposed=spec.get("exposed", False))
-    sim = build_cache(
-        tp_group=group,
-        tp_world_size=world,
-        storage=True,
-        host_memory_mode=mode,
-        cc=cc,
-        tree=tree,
-    )
+    sim = build_cache(tp_group=group, tp_world_size=world, storage=True,
+                      host_memory_mode=mode, cc=cc, tree=tree)  # fmt: skip
     cache = sim.cache
     d = cache.__dict__
     # upstream's own accounting and host locks here (the tree keeps the locks)
@@ -152,17 +164,19 @@ def build(spec: dict, rank: int, world: int, group, clock):
         if held is not None:  # what does not fit was never cached
             tree.add_cold(name, held)
     budgets = {r["rid"]: per_rank(r.get("budget"), rank) for r in spec["requests"]}
-    instrument(cache, record, clock, budgets)
-    if plugin_loaded(cache):
-        from hicache_async_ack.features import ack_sync, prefetch_votes
+    instrument(cache, record, clock, budgets, tree)
+    if plugin:
+        from hicache_async_ack.features import ack_sync, vote_hooks
 
         params = SimpleNamespace(enable_metrics=False)
-        ack_sync.after_init_hicache(None, cache, None, params)
-        prefetch_votes.after_init_hicache(None, cache, None, params)
+        controls = diff_controls.substitutes(spec.get("control", []))
+        with plugin_environment(log, controls):
+            ack_sync.after_init_hicache(None, cache, None, params)
+            vote_hooks.after_init_hicache(None, cache, None, params)
     return sim, record
 
 
-def instrument(cache, record: Record, clock, budgets: dict) -> None:
+def instrument(cache, record: Record, clock, budgets: dict, tree: LifecycleTree) -> None:
     """Record the lifecycle's exits and the deadline's start, around upstream's
     own methods (instance attributes: the plugin's hooks sit on the class)."""
     d = cache.__dict__
@@ -171,9 +185,8 @@ def instrument(cache, record: Record, clock, budgets: dict) -> None:
         real = getattr(cache, name)
 
         def recorded(request, *a, **kw):
-            if rolling_back(cache) != request:  # the plugin undoing its own start
-                what = "admission" if record.admitting and kind == "finish" else kind
-                record.add(handle_key(request), what, *detail(cache, request, *a, **kw))
+            what = "admission" if record.admitting and kind == "finish" else kind
+            record.add(handle_key(request), what, *detail(cache, request, *a, **kw))
             return real(request, *a, **kw)
 
         d[name] = recorded
@@ -191,6 +204,7 @@ def instrument(cache, record: Record, clock, budgets: dict) -> None:
     wrap("revoke_pending_prefetch", "revoked", op_state)
     wrap("_retire_ongoing_prefetch", "retired", lambda c, r, h, x: [None if h is None else len(h)])
     start = cache._start_storage_prefetch_wait  # upstream's, bound
+    handle_result = cache._handle_prefetch_result
 
     def start_wait(operation):
         started = operation.handle in cache._storage_prefetch_wait
@@ -202,191 +216,184 @@ def instrument(cache, record: Record, clock, budgets: dict) -> None:
             wait.timeout_s = float("inf") if budget is None else budget - 0.5
             record.add(handle_key(operation.handle), "polled")
 
+    def handled(operation):
+        tree.owner = handle_key(operation.handle)  # whose pages an insert holds
+        return handle_result(operation)
+
     d["_start_storage_prefetch_wait"] = start_wait
-
-
-def rolling_back(cache):
-    """The request whose provisional start the plugin is undoing now, if any."""
-    if not plugin_loaded(cache):
-        return None
-    from hicache_async_ack.features.prefetch_votes import FEATURE
-
-    state = FEATURE.state_of(cache)
-    return None if state is None else state.rolling_back
-
-
-def plugin_loaded(cache) -> bool:
-    from hicache_async_ack.kit.hooks import is_hooked
-
-    return is_hooked(type(cache).check_hicache_events)
+    d["_handle_prefetch_result"] = handled
 
 
 def scripts_of(spec: dict, rank: int) -> dict:
     out = {}
     for r in spec["requests"]:
-        hit = r.get("hit")
-        out[r["rid"]] = Script(
-            hit_at=None if hit is None else per_rank(hit["at"], rank),
-            hit_tokens=0 if hit is None else hit["tokens"],
-            progress=[(per_rank(at, rank), tokens) for at, tokens in r.get("progress", [])],
-            finish_at=per_rank(r.get("finish"), rank),
-        )
+        out[r["rid"]] = [
+            Script(
+                hit_at=None if s.get("hit") is None else per_rank(s["hit"]["at"], rank),
+                hit_tokens=0 if s.get("hit") is None else s["hit"]["tokens"],
+                progress=[(per_rank(at, rank), tokens) for at, tokens in s.get("progress", [])],
+                finish_at=per_rank(s.get("finish"), rank),
+            )
+            for s in r["scripts"]
+        ]
     return out
 
 
-class Scheduler:
-    """The scheduler's side of the scenario on one rank."""
+def count_collectives():
+    """Count every torch.distributed.all_reduce this process runs, per pass."""
+    import torch.distributed as dist
 
-    def __init__(self, spec: dict, rank: int, sim, record: Record):
-        self.spec, self.rank, self.sim, self.record = spec, rank, sim, record
-        self.cache = sim.cache
-        self.requests = {r["rid"]: r for r in spec["requests"]}
-        self.index = {r["rid"]: i for i, r in enumerate(spec["requests"])}
-        self.attempt: dict = {}
-        self.waiting: list = []  # rids, in arrival order
-        self.arrived: dict = {}  # rid -> the pass its current attempt arrived
-        self.requeue_at: dict = {}  # pass -> [rid]
-        self.admitted_at: dict = {}  # rid -> the pass it was last admitted
-        self.adder = adder_for(self.cache)
-        self.scheduler = SchedulerShim(self.cache)
+    counts: list[int] = []
+    real = dist.all_reduce
 
-    def handle(self, rid):
-        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+    def counted(*a, **kw):
+        counts[-1] += 1
+        return real(*a, **kw)
 
-        return CacheRequestHandle(rid=rid, attempt_id=self.attempt[rid])
-
-    def arrive(self, rid: str, p: int) -> None:
-        self.attempt[rid] = self.attempt.get(rid, -1) + 1
-        r = self.requests[rid]
-        first = (self.index[rid] * 64 + self.attempt[rid]) * TOKEN_BASE
-        tokens = list(range(first, first + r["tokens"]))
-        self.sim.tree.owners[first] = (rid, self.attempt[rid])
-        self.record.add((rid, self.attempt[rid]), "arrived")
-        self.cache.prefetch_from_storage(
-            self.handle(rid),
-            0,
-            tokens,
-            None,
-            None,
-            matched_prefix_tokens=[],
-            extra_key=None,
-            cache_salt=None,
-            storage_hit_end=None,
-        )
-        self.waiting.append(rid)
-        self.arrived[rid] = p
-
-    def step(self, p: int) -> list:
-        cache, spec = self.cache, self.spec
-        for rid in self.requeue_at.pop(p, []):
-            self.arrive(rid, p)
-        for r in spec["requests"]:
-            if r["arrive"] == p:
-                self.arrive(r["rid"], p)
-        for r in spec["requests"]:
-            if r.get("abort") == p and r["rid"] in self.waiting:
-                self.record.add((r["rid"], self.attempt[r["rid"]]), "aborted")
-                cache.release_aborted_request(self.handle(r["rid"]))
-                self.waiting.remove(r["rid"])
-        self.sim.cc.deliver()
-        self.scheduler.boundary()
-        admitted = self.walk(p)
-        if admitted or self.running(p):
-            self.scheduler.forward_ct += 1  # the pass ran a forward
-        return admitted
-
-    def running(self, p: int) -> bool:
-        """A request admitted in the last few passes is still decoding."""
-        return any(at > p - 3 for at in self.admitted_at.values())
-
-    def walk(self, p: int) -> list:
-        spec, cache = self.spec, self.cache
-        if p in spec.get("full", ()):
-            return []
-        cutoff = spec.get("cutoff", {}).get(str(p))
-        admitted = []
-        for rid in list(self.waiting):
-            if cutoff is not None and self.arrived[rid] >= cutoff:
-                break  # the batch is full from here on
-            h = self.handle(rid)
-            if not cache.check_prefetch_progress(h):
-                continue
-            loaded, start = cache.pop_prefetch_loaded_span(h)
-            self.record.admitting = True  # its accounting's exit is the admission's
-            try:
-                admit(self.adder, h, loaded, self.requests[rid]["tokens"], start)
-            finally:
-                self.record.admitting = False
-            key = handle_key(h)
-            self.sim.tree.admit(key)
-            if cache.buffer_pipeline is not None:
-                cache.buffer_pipeline.consume(h)
-            self.record.add(key, "admitted", loaded)
-            self.waiting.remove(rid)
-            admitted.append(rid)
-            self.admitted_at[rid] = p
-            requeue = self.requests[rid].get("requeue")
-            if requeue is not None and self.attempt[rid] == 0:
-                self.requeue_at.setdefault(p + 1 + requeue, []).append(rid)
-        return admitted
+    dist.all_reduce = counted
+    return counts, lambda: setattr(dist, "all_reduce", real)
 
 
-def run_passes(spec: dict, rank: int, sim, sched, record: Record, clock) -> None:
+def track_ops(cache, p: int, seen: dict) -> None:
+    """Per prefetch operation (its request's key and its number among that
+    request's operations): the pass it was first seen ongoing, its read
+    stopped (terminated), and its budget and locks released (gone)."""
+    live = {}
+    for h, info in cache.ongoing_prefetch.items():
+        k = handle_key(h)
+        ops = seen.setdefault(k, [])
+        entry = next((e for e in ops if e["op"] is info.operation), None)
+        if entry is None:
+            entry = {"started": p, "op": info.operation}
+            ops.append(entry)
+        live[id(info.operation)] = True
+        if info.operation.is_terminated():
+            entry.setdefault("terminated", p)
+    for ops in seen.values():
+        for e in ops:
+            if "released" not in e and id(e["op"]) not in live:
+                e["released"] = p
+                e.setdefault("terminated", p)
+
+
+def run_passes(spec: dict, sim, sched: Scheduler, clock, counts: list, seen: dict) -> int:
     trace = os.environ.get("HICACHE_ASYNC_ACK_DIFF_TRACE")  # a folder: per-rank traces
-    for p in range(spec["passes"]):
+    cache = sim.cache
+    p = 0
+    for p in range(spec["passes"] + DRAIN):
+        if p >= spec["passes"] and sched.idle():
+            break
         clock.now = p
-        sched.step(p)
+        counts.append(0)
+        sched.step(p, arriving=p < spec["passes"])
+        track_ops(cache, p, seen)
         if trace:
-            with open(f"{trace}/{spec['name']}-{rank}.txt", "a") as f:
-                ongoing = sorted(h.rid for h in sim.cache.ongoing_prefetch)
-                f.write(f"{p} {ongoing} {len(sim.cc.pops)} {sched.waiting}\n")
-                f.write("".join(f"   {e}\n" for e in record.events if e[0] == p))
+            with open(f"{trace}/{spec['name']}-{sched.rank}.txt", "a") as f:
+                ongoing = sorted(h.rid for h in cache.ongoing_prefetch)
+                f.write(f"{p} {ongoing} {[r.rid for r in sched.waiting]} {counts[-1]}\n")
+                f.write("".join(f"   {e}\n" for e in sched.record.events if e[0] == p))
+    return p
+
+
+def plugin_loaded() -> bool:
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    from hicache_async_ack.kit.hooks import is_hooked
+
+    return is_hooked(UnifiedRadixCache.check_hicache_events)
 
 
 def run_scenario(spec: dict, rank: int, world: int, group) -> dict:
+    plugin = plugin_loaded()
     clock = SimpleNamespace(now=-1)
-    sim, record = build(spec, rank, world, group, clock)
+    log = EventLog()
+    sim, record = build(spec, rank, world, group, clock, log, plugin)
     sim.cc.scripts = scripts_of(spec, rank)
     sim.cc.delay = per_rank(spec.get("skew", 0), rank)
     sched = Scheduler(spec, rank, sim, record)
-    cache = sim.cache
-    out: dict = {"plugin": plugin_loaded(cache)}
-    controls = spec.get("control", []) if out["plugin"] else []
+    out: dict = {"plugin": plugin}
+    counts, restore = count_collectives()
+    seen: dict = {}
+    last = 0
     try:
-        with diff_controls.controls(controls, cache):
-            run_passes(spec, rank, sim, sched, record, clock)
+        last = run_passes(spec, sim, sched, clock, counts, seen)
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["traceback"] = traceback.format_exc()
         out["error_pass"] = clock.now
-    cc = sim.cc
+    finally:
+        restore()
+    cc, cache = sim.cc, sim.cache
+    if spec.get("count_live"):
+        out["live_operations"] = live_operations()
+    if spec.get("final_evict"):
+        out["final_evict"] = sim.tree.evict(1 << 30, cc.pool)
     out.update(
         events=[
             [at, list(k) if isinstance(k, tuple) else k, kind, det]
             for at, k, kind, det in record.events
-        ],
+        ],  # fmt: skip
         stats={k: v for k, v in sorted(cache._prefetch_outcome_stats.items()) if v},
         metrics=dict(sorted(cache.storage_metrics_collector.totals.items())),
         pops=sorted([str(n), u] for n, u in cc.pops),
         free_pages=len(cc.pool.free_pages),
         occupied=cc.prefetch_tokens_occupied,
-        waiting=sorted(sched.waiting),
+        waiting=sorted(r.rid for r in sched.waiting + sched.transfer),
         ongoing=sorted(h.rid for h in cache.ongoing_prefetch),
-        votes=vote_counts(cache) if out["plugin"] else {},
+        limits=[
+            [at, kind, list(k) if isinstance(k, tuple) else k] for at, kind, k in sched.limits
+        ],  # fmt: skip
+        collectives=counts,
+        l3_queries=cc.l3_queries,
+        reads=cc.reads,
+        bypassed=dict(sorted(cc.bypassed.items())),
+        host_locks=sim.tree.host_locks(),
+        last_pass=last,
+        ops={
+            json_key(k): [{n: v for n, v in e.items() if n != "op"} for e in ops]
+            for k, ops in seen.items()
+        },  # fmt: skip
+        plugin_events=[
+            [kind, {k: json_value(v) for k, v in f.items()}] for kind, f in log.events
+        ],  # fmt: skip
+        idle=sched.idle(),
+        state=plugin_state(cache) if plugin else {},
     )
     return out
 
 
-def vote_counts(cache) -> dict:
-    from hicache_async_ack.features.prefetch_votes import FEATURE
+def live_operations() -> int:
+    """PrefetchOperation objects still alive in this process (what the run kept)."""
+    import gc
 
-    state = FEATURE.state_of(cache)
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation
+
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, PrefetchOperation))
+
+
+def plugin_state(cache) -> dict:
+    """What the plugin's vote state holds (0 each once the run is idle)."""
+    from hicache_async_ack.features.prefetch_votes import state_of
+
+    state = state_of(cache)
     if state is None:
         return {}
-    names = ("sections", "stopped", "fallbacks", "provisional", "declined")
-    return {k: getattr(state, k) for k in names if hasattr(state, k)}
+    return {"reaches": len(state.book.reaches), "admitted": len(state.book.admitted),
+            "pins": len(state.landing.pins.held)}  # fmt: skip
+
+
+def json_key(key) -> str:
+    import json
+
+    return json.dumps(list(key) if isinstance(key, tuple) else key)
+
+
+def json_value(v):
+    return list(v) if isinstance(v, tuple) else v
 
 
 def run_differential(ctx, payload: dict) -> dict:
-    """Rank target: SGLang's load_plugins(), then each scenario on a fresh TP group."""
+    """Rank target: SGLang's load_plugins() (stock's arm excludes the plugin
+    through SGLANG_PLUGINS), then each scenario on a fresh TP group."""
     return run_specs(ctx, payload, VARS, run_scenario)

@@ -1,0 +1,90 @@
+"""What one arm's record of a differential scenario says (:mod:`.differential`):
+each request's lifecycle, its admission, how its accounting closed, and what
+made the walk depend on what it admitted or on timing the plugin moves."""
+
+from __future__ import annotations
+
+import json
+
+from hicache_async_ack.env import DEPTH_VAR
+
+WALK_LIMITS = ("token_budget", "batch_full", "refused")
+# Timer starts are not outcomes: the plugin's walk reaches a request whose read
+# stock had already seen complete (its acks are drained a pass later).
+NOT_OUTCOMES = ("polled",)
+# The scheduler's side of a request's end: an abort that reaches the plugin's run
+# while the request still waits for an admission stock already made is a race.
+SCHEDULER_ENDS = ("aborted", "admitted", "admission")
+SCHEDULER_EVENTS = ("arrived", "aborted")
+
+
+def lifecycle(result: dict) -> dict:
+    """Per request (rid, attempt): its events without passes, in order; the
+    scheduler's own (arrived, aborted) first."""
+    out: dict = {}
+    for _, key, kind, detail in result["events"]:
+        if kind in NOT_OUTCOMES:
+            continue
+        out.setdefault(json.dumps(key), []).append([kind, detail])
+    return {k: sorted(v, key=lambda e: e[0] not in SCHEDULER_EVENTS) for k, v in out.items()}
+
+
+def passes_of(result: dict, kind: str) -> dict:
+    return {json.dumps(k): at for at, k, what, _ in result["events"] if what == kind}
+
+
+def admissions(result: dict) -> dict:
+    return passes_of(result, "admitted")
+
+
+def ends(result: dict) -> dict:
+    """Per request, how its prefetch accounting closed: the last finish
+    (tokens, reason), or its admission's."""
+    out: dict = {}
+    for _, k, kind, d in result["events"]:
+        if kind in ("finish", "admission"):
+            out[json.dumps(k)] = d
+    return out
+
+
+def depth_of(spec: dict) -> int:
+    return int(spec.get("env", {}).get(DEPTH_VAR, "1"))
+
+
+def raced(stock: dict, plugin: dict) -> set:
+    """Aborted requests whose lifecycle differs between the arms: an abort needs
+    no verdict, so it meets the plugin's cache as it is (its pops depth passes
+    behind stock's), or a request stock had already admitted."""
+    ls, lp = lifecycle(stock), lifecycle(plugin)
+    aborted = set(passes_of(stock, "aborted")) | set(passes_of(plugin, "aborted"))
+    return {k for k in aborted if ls.get(k) != lp.get(k)}
+
+
+def reissued(result: dict) -> dict:
+    out: dict = {}
+    for _, k, kind, _ in result["events"]:
+        if kind == "reissued":
+            out[json.dumps(k)] = out.get(json.dumps(k), 0) + 1
+    return out
+
+
+def limited_by(spec: dict, stock: dict, plugin: dict) -> list[str]:
+    """What made this scenario's walk depend on what it admitted, or on timing
+    the plugin moves ([] if nothing: its outcomes are compared exactly)."""
+    why = sorted({lim[1] for r in (stock, plugin) for lim in r["limits"]
+                  if lim[1] in WALK_LIMITS})  # fmt: skip
+    for kind in ("declined_rate_limited", "probe_rate_limited"):
+        counts = [sorted(str(x[2]) for x in r["limits"] if x[1] == kind) for r in (stock, plugin)]
+        if counts[0] != counts[1]:
+            why.append(kind)
+    if raced(stock, plugin):
+        why.append("abort_race")
+    if reissued(stock) != reissued(plugin):
+        # a retry comes due some passes after it was armed: armed at a stop the
+        # plugin makes depth + 1 passes later, it meets the request in another state
+        why.append("retry_race")
+    return why
+
+
+RUN_KEYS = ("stats", "metrics", "free_pages", "occupied", "waiting", "ongoing", "l3_queries",
+            "reads")  # fmt: skip
