@@ -310,7 +310,8 @@ def test_counts_written_per_rank_and_read_back(tmp_path, monkeypatch):
     got = mooncake_standins.read_counts(tmp_path)
     assert got == {"0": {"passes": 4, "blocking": 2, "prefetch_passes": 2,
                          "prefetches_voted": 8, "prefetch_max": 5,
-                         "deciding_all_reduces": 2}}  # fmt: skip
+                         "deciding_all_reduces": 2, "l3_queries": 0,
+                         "l3_queries_assumed": 0, "l3_tokens_loaded": 0}}  # fmt: skip
     # SGLang's own outcome counters, where the release keeps them: the latest snapshot
     counts.outcomes_seen({"issued": 3, "declined_rate_limited": 1, "attempts": 9})
     counts.outcomes_seen({"issued": 7, "declined_rate_limited": 4, "attempts": 12})

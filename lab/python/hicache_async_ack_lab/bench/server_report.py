@@ -256,6 +256,32 @@ def print_report(cfg, visits, rows, load_start, load_end, wall_s, workdir: Path)
         )
 
 
+def prefetch_votes(server) -> dict:
+    """Rank 0's prefetch votes from the server's /metrics: operations and passes."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {"operations": 0.0, "passes": 0.0}
+    for family in text_string_to_metric_families(server.get("/metrics").decode()):
+        for s in family.samples:
+            if s.labels.get("tp_rank") != "0":
+                continue
+            if s.name == "sglang:hicache_prefetch_votes_operations_total":
+                out["operations"] += s.value
+            elif s.name == "sglang:hicache_prefetch_votes_issue_seconds_count":
+                out["passes"] += s.value
+    return out
+
+
+def medians(runs: list[dict]) -> dict:
+    """Per figure, the median of the runs that have it."""
+    out = {}
+    for key in {k for r in runs for k in r}:
+        values = [float(r[key]) for r in runs if r.get(key) is not None]
+        if values:
+            out[key] = statistics.median(values)
+    return out
+
+
 def draw_png(path: Path, cfg: dict, visits: list[dict], rows: list[dict]) -> None:
     import matplotlib
 

@@ -11,8 +11,9 @@ decides, every pass, whether the prefetches may go on: stock with one blocking
 all_reduce per waiting request, the plugin with one async vote for all of them.
 
 Figures per round: output throughput, TTFT (streamed), storage-hit prompts; and
-from cpu-server's counters (HICACHE_ASYNC_ACK_CPU_COUNT_DIR) the scheduling
-passes, the blocking cache collectives per pass and the prefetches in flight.
+from cpu-server's counters (HICACHE_ASYNC_ACK_CPU_COUNT_DIR, rank 0's scheduler)
+the scheduling passes, the blocking cache collectives per pass, the prefetches in
+flight, the L3 hit queries sent to Mooncake per request and the tokens loaded from L3.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ WORDS = (
 # (key in a round's figures, column)
 FIGURES = (
     ("output_throughput", "out tok/s"),
+    ("l3_queries_per_request", "L3 queries/req"),
+    ("tokens_from_l3", "tokens from L3"),
     ("median_ttft_ms", "TTFT p50 ms"),
     ("p99_ttft_ms", "TTFT p99 ms"),
     ("storage_hit_share", "storage hits"),
@@ -56,7 +59,7 @@ FIGURES = (
     ("prefetches_issued", "prefetches issued"),
     ("declined_rate_limited", "declined: host full"),
 )
-COUNTED = ("prefetches_issued", "declined_rate_limited")  # per round, whole numbers
+COUNTED = ("tokens_from_l3", "prefetches_issued", "declined_rate_limited")  # whole numbers
 
 
 def _fmt(v: Optional[float], spec: str) -> str:
@@ -202,12 +205,20 @@ def round_figures(replies: list[dict], wall: float, counts: dict) -> dict:
         # SGLang's own outcome counters (None on a release without them)
         "prefetches_issued": counts.get("issued"),
         "declined_rate_limited": counts.get("declined_rate_limited"),
+        # rank 0's hit queries to the store (_storage_hit_query, an assume_stored one
+        # aside) per request sent, and its prefetches' completed tokens (None: no counts)
+        "l3_queries": counts.get("l3_queries"),
+        "l3_queries_per_request": counts["l3_queries"] / len(replies)
+        if "l3_queries" in counts and replies
+        else None,
+        "tokens_from_l3": counts.get("l3_tokens_loaded"),
     }
 
 
 def visit(cfg: dict, conf: tuple, rnd: int, workdir: Path, quiet: bool) -> dict:
     """A fresh master and server for ``conf``: a warm-up round, ``--runs`` measured ones."""
     from hicache_async_ack_lab.bench.arms import arm_env, check_arm, plugin_state, server_args
+    from hicache_async_ack_lab.bench.server_report import medians, prefetch_votes
     from hicache_async_ack_lab.cpu_server.mooncake import Mooncake, MooncakeServer
     from hicache_async_ack_lab.cpu_server.mooncake_standins import COUNT_DIR_VAR
 
@@ -239,7 +250,7 @@ def visit(cfg: dict, conf: tuple, rnd: int, workdir: Path, quiet: bool) -> dict:
                 replies, wall = send_round(server, texts, cfg["output_len"])
                 runs.append(round_figures(replies, wall, _delta(_counts_now(counts_dir), before)))
             state = plugin_state(server)
-            state["votes"] = _votes(server)
+            state["votes"] = prefetch_votes(server)
     check_arm(cfg, arm, state, server, name)
     tputs = [r["output_throughput"] for r in runs if r["output_throughput"]]
     rec = {
@@ -252,35 +263,13 @@ def visit(cfg: dict, conf: tuple, rnd: int, workdir: Path, quiet: bool) -> dict:
     if not quiet:
         m = rec["median"]
         print(f"[round {rnd + 1}] {name}: {rec['output_throughput'] or 0:.1f} out tok/s, "
-              f"storage hits {_pct(m.get('storage_hit_share'), '.0f')}, blocking collectives"
+              f"L3 queries/req {_fmt(m.get('l3_queries_per_request'), '.2f')}, tokens from L3 "
+              f"{_fmt(m.get('tokens_from_l3'), '.0f')}, storage hits "
+              f"{_pct(m.get('storage_hit_share'), '.0f')}, blocking collectives"
               f"/pass {_fmt(m.get('blocking_per_pass'), '.2f')}, prefetches/pass "
               f"{_fmt(m.get('prefetches_per_pass'), '.2f')}, load {load_start[0]:.1f} -> "
               f"{rec['loadavg_end'][0]:.1f}", file=sys.stderr, flush=True)  # fmt: skip
     return rec
-
-
-def _votes(server) -> dict:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {"operations": 0.0, "passes": 0.0}
-    for family in text_string_to_metric_families(server.get("/metrics").decode()):
-        for s in family.samples:
-            if s.labels.get("tp_rank") != "0":
-                continue
-            if s.name == "sglang:hicache_prefetch_votes_operations_total":
-                out["operations"] += s.value
-            elif s.name == "sglang:hicache_prefetch_votes_issue_seconds_count":
-                out["passes"] += s.value
-    return out
-
-
-def medians(runs: list[dict]) -> dict:
-    out = {}
-    for key in {k for r in runs for k in r}:
-        values = [float(r[key]) for r in runs if r.get(key) is not None]
-        if values:
-            out[key] = statistics.median(values)
-    return out
 
 
 def arm_table(visits: list[dict]) -> str:

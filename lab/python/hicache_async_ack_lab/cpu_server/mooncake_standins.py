@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -22,7 +23,11 @@ from typing import Callable, Optional
 # each scheduler writes counts.<rank>.json: its scheduling passes, the blocking cache
 # collectives (UnifiedRadixCache._all_reduce_attn_groups) it ran, and the storage
 # prefetches in flight at each pass (SGLang's own ongoing_prefetch), so stock and
-# plugin are counted alike.
+# plugin are counted alike; and its L3 traffic: the hit queries its cache controller
+# sent to the store (HybridCacheController._storage_hit_query, which the prefetch
+# thread and UnifiedRadixCache.query_storage_hit_length both call) and the tokens its
+# prefetches brought into host memory (UnifiedRadixCache._handle_prefetch_result's
+# operation.completed_tokens, what SGLang's log_prefetched_tokens counts).
 COUNT_DIR_VAR = "HICACHE_ASYNC_ACK_CPU_COUNT_DIR"
 
 STANDINS = {
@@ -130,6 +135,11 @@ class _Counts:
         # every all_reduce (the cache's blocking ones and the plugin's async ones)
         # run in the passes that had a prefetch to decide
         "deciding_all_reduces",
+        # hit queries sent to the L3 store (batch_exists / batch_exists_v2), and those
+        # _storage_hit_query answered without one (operation.assume_stored)
+        "l3_queries",
+        "l3_queries_assumed",
+        "l3_tokens_loaded",  # completed_tokens of every prefetch result handled
     )
     # SGLang's own cumulative prefetch outcomes (0.5.23's UnifiedRadixCache keeps
     # them): why a request did or did not wait on its L3 prefetch
@@ -140,6 +150,8 @@ class _Counts:
         self.values = dict.fromkeys(self.FIELDS, 0)
         self._written = 0.0
         self._deciding = False  # the pass now running has a prefetch in flight
+        # the prefetch thread queries while the scheduler's thread passes
+        self._lock = threading.Lock()
 
     def pass_seen(self, in_flight: int) -> None:
         v = self.values
@@ -152,9 +164,21 @@ class _Counts:
         self._maybe_write()
 
     def outcomes_seen(self, stats: dict) -> None:
-        for key in self.OUTCOMES:
-            if key in stats:
-                self.values[key] = int(stats[key])
+        with self._lock:
+            for key in self.OUTCOMES:
+                if key in stats:
+                    self.values[key] = int(stats[key])
+
+    def l3_query_seen(self, assumed: bool = False) -> None:
+        self._add("l3_queries_assumed" if assumed else "l3_queries", 1)
+
+    def l3_loaded(self, tokens: int) -> None:
+        self._add("l3_tokens_loaded", tokens)
+
+    def _add(self, key: str, n: int) -> None:
+        with self._lock:
+            self.values[key] += n
+        self._maybe_write()
 
     def collective_seen(self, blocking: bool = True) -> None:
         if blocking:
@@ -175,8 +199,9 @@ class _Counts:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         path = self.root / f"counts.{rank}.json"
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.values))
-        tmp.replace(path)
+        with self._lock:
+            tmp.write_text(json.dumps(self.values))
+            tmp.replace(path)
 
 
 _COUNTS: list[_Counts] = []
@@ -204,6 +229,36 @@ def _count_collectives(module) -> None:
         return real(self, *args, **kwargs)
 
     cls._all_reduce_attn_groups = counted
+
+
+def _count_l3_queries(module) -> None:
+    counts = _counts()
+    if counts is None:
+        return
+    cls = module.HybridCacheController
+    real = cls._storage_hit_query
+
+    @functools.wraps(real)
+    def counted(self, operation, *args, **kwargs):
+        counts.l3_query_seen(assumed=bool(getattr(operation, "assume_stored", False)))
+        return real(self, operation, *args, **kwargs)
+
+    cls._storage_hit_query = counted
+
+
+def _count_l3_loads(module) -> None:
+    counts = _counts()
+    if counts is None:
+        return
+    cls = module.UnifiedRadixCache
+    real = cls._handle_prefetch_result
+
+    @functools.wraps(real)  # a fingerprinted target of the plugin's: wrapped, unchanged
+    def counted(self, operation, *args, **kwargs):
+        counts.l3_loaded(int(getattr(operation, "completed_tokens", 0) or 0))
+        return real(self, operation, *args, **kwargs)
+
+    cls._handle_prefetch_result = counted
 
 
 def _count_plugin_reduces(module) -> None:
@@ -277,6 +332,8 @@ def register(patches: dict, standins: dict) -> None:
     patches["sglang.srt.mem_cache.storage.mooncake_store.mooncake_store"] = _require_private_network
     for name, patch in (
         ("sglang.srt.mem_cache.unified_radix_cache", _count_collectives),
+        ("sglang.srt.mem_cache.unified_radix_cache", _count_l3_loads),
+        ("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller", _count_l3_queries),
         ("sglang.srt.managers.scheduler", _count_passes),
         ("hicache_async_ack.kit.collectives", _count_plugin_reduces),
         ("sglang.srt.mem_cache.pool_host.base", _lower_host_memory_reserve),
