@@ -150,7 +150,7 @@ def test_a_second_vote_label_set_in_one_process_does_not_raise(tmp_path):
     _run(
         """
         from types import SimpleNamespace
-        from hicache_async_ack.features.prefetch_votes import metrics_for
+        from hicache_async_ack.features.vote_hooks import metrics_for
 
         a = SimpleNamespace(metrics_collector=SimpleNamespace(labels=dict(cache_type="A")))
         b = SimpleNamespace(metrics_collector=SimpleNamespace(labels=dict(cache_type="B", m="x")))
