@@ -1,16 +1,10 @@
-"""Every environment variable the plugin reads, in one place, typed.
+"""Every environment variable the plugin reads, in one place, typed, parsed on each call.
 
-Parsed on each call (no import-time caching) so tests and operators can flip them
-between server launches; the adapter reads them once per cache at HiCache init.
-
-One rule for every value, SGLang's own (``sglang.srt.environ``): a boolean is
-accepted as EnvBool accepts it (``value.lower()`` is one of the spellings below, as
-set: no stripping, so ``""`` or ``" 0"`` is not a boolean), an integer as EnvInt
-(``int(value)``); unset means the default. Where SGLang warns and falls back to the
-default, the plugin refuses to start (HiCache init raises, naming the variable and
-what it accepts): a node that silently ran another setting than its peers would
-stop the group later, less clearly. With the plugin off (ENABLE_VAR false) no other
-variable is read, so nothing else can stop the server.
+Values follow SGLang's own rule (``sglang.srt.environ``): booleans as EnvBool
+(``value.lower()`` one of the spellings, no stripping), integers as EnvInt; unset is the
+default. Where SGLang warns and falls back, the plugin refuses to start (HiCache init
+raises, naming the variable): a node silently running other settings would stop the
+group later. With the plugin off no other variable is read.
 """
 
 from __future__ import annotations
@@ -19,49 +13,35 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
-# The spellings SGLang's own EnvBool (sglang.srt.environ) accepts, case-insensitive.
+# The spellings SGLang's EnvBool accepts, case-insensitive.
 TRUE_SPELLINGS = ("true", "1", "yes", "y")
 FALSE_SPELLINGS = ("false", "0", "no", "n")
 
-# SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC: pipeline the per-step ack-count all_reduce.
-# Default on; "0" (or any false spelling) keeps SGLang's blocking path everywhere.
+# Pipeline the per-step ack-count all_reduce; false keeps SGLang's blocking path everywhere.
 ENABLE_VAR = "SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC"
 ENABLE_DEFAULT = True
 
-# SGLANG_HICACHE_ASYNC_ACK_DEPTH: how many reduces may be in flight (lag depth k).
-# Each step waits on the one issued k steps ago; acks are popped k steps late.
-# "auto" starts at 1 and lets the ranks move it together, from 1 to DEPTH_MAX, to the
-# smallest depth that hides the reduce's latency (docs/design.md, "Auto depth").
+# Reduces in flight (lag depth k: acks popped k steps late); "auto": the ranks move it
+# together from 1 to DEPTH_MAX, to the smallest that hides the latency (docs/design.md).
 DEPTH_VAR = "SGLANG_HICACHE_ASYNC_ACK_DEPTH"
 DEPTH_DEFAULT = 1
 DEPTH_MAX = 8  # beyond this the added lag outweighs any latency a host could hide
 DEPTH_AUTO = "auto"
 
-# SGLANG_HICACHE_ASYNC_ACK_ALLOW_UNTESTED: run on an SGLang whose hooked methods differ
-# from every tested release (the plugin otherwise stays inert there and says which
-# method changed). For operators who read that warning and accept the risk. Default off.
+# Run where the hooked methods differ from every tested release (else inert, saying which).
 ALLOW_UNTESTED_VAR = "SGLANG_HICACHE_ASYNC_ACK_ALLOW_UNTESTED"
 ALLOW_UNTESTED_DEFAULT = False
 
-# SGLANG_ENABLE_HICACHE_ASYNC_PREFETCH_VOTES: with a storage backend, decide the
-# deadlines the waiting-queue walk reaches with a section riding the pass's one reduce
-# instead of one blocking MAX all_reduce per waiting request, and make every prefetch
-# decision of the pass where that section is read back (stock's outcome, depth + 1
-# passes late). Default on; a false spelling keeps SGLang's per-request reduce.
-# Only read while the plugin is on (ENABLE_VAR); set it identically on every node.
+# With storage, decide prefetch deadlines with a section riding the pass's one reduce
+# instead of one blocking MAX per waiting request. Set identically on every node.
 PREFETCH_VOTES_VAR = "SGLANG_ENABLE_HICACHE_ASYNC_PREFETCH_VOTES"
 PREFETCH_VOTES_DEFAULT = True
 
-# SGLANG_ENABLE_HICACHE_ASYNC_DECODE_OFFLOAD_SYNC: with PD decode KV offload
-# (--disaggregation-decode-enable-offload-kvcache), pipeline the per-step MIN
-# all_reduce of DecodeKVCacheOffloadManager.check_offload_progress (offloads and
-# backups popped one step late). Default on; a false spelling keeps SGLang's
-# blocking reduce. Only read while the plugin is on; set it identically everywhere.
+# With PD decode KV offload, pipeline check_offload_progress's per-step MIN all_reduce.
 OFFLOAD_SYNC_VAR = "SGLANG_ENABLE_HICACHE_ASYNC_DECODE_OFFLOAD_SYNC"
 OFFLOAD_SYNC_DEFAULT = True
 
-# SGLANG_PLUGINS: SGLang's own comma-separated whitelist of general plugins. Read
-# here only to report (doctor) whether our entry point would be skipped.
+# SGLang's plugin whitelist: read only for doctor's report.
 PLUGINS_VAR = "SGLANG_PLUGINS"
 ENTRY_POINT_NAME = "hicache_async_ack"
 
@@ -110,8 +90,7 @@ def parse_depth(name: str, raw: Optional[str], default: int) -> Union[int, str]:
 
 
 def read_settings(environ: Optional[Environ] = None) -> Settings:
-    """Read and validate the plugin's settings; raises ValueError on bad input.
-    With the plugin off the depth is not read (the one rule above)."""
+    """The plugin's settings, validated (ValueError); off, the depth is not read."""
     env = os.environ if environ is None else environ
     if not parse_bool(ENABLE_VAR, env.get(ENABLE_VAR), ENABLE_DEFAULT):
         return Settings(enabled=False, depth=DEPTH_DEFAULT)
@@ -123,19 +102,20 @@ def read_settings(environ: Optional[Environ] = None) -> Settings:
     )
 
 
+def _flag(var: str, default: bool, environ: Optional[Environ]) -> bool:
+    return parse_bool(var, (os.environ if environ is None else environ).get(var), default)
+
+
 def allow_untested(environ: Optional[Environ] = None) -> bool:
-    env = os.environ if environ is None else environ
-    return parse_bool(ALLOW_UNTESTED_VAR, env.get(ALLOW_UNTESTED_VAR), ALLOW_UNTESTED_DEFAULT)
+    return _flag(ALLOW_UNTESTED_VAR, ALLOW_UNTESTED_DEFAULT, environ)
 
 
 def prefetch_votes_enabled(environ: Optional[Environ] = None) -> bool:
-    env = os.environ if environ is None else environ
-    return parse_bool(PREFETCH_VOTES_VAR, env.get(PREFETCH_VOTES_VAR), PREFETCH_VOTES_DEFAULT)
+    return _flag(PREFETCH_VOTES_VAR, PREFETCH_VOTES_DEFAULT, environ)
 
 
 def offload_sync_enabled(environ: Optional[Environ] = None) -> bool:
-    env = os.environ if environ is None else environ
-    return parse_bool(OFFLOAD_SYNC_VAR, env.get(OFFLOAD_SYNC_VAR), OFFLOAD_SYNC_DEFAULT)
+    return _flag(OFFLOAD_SYNC_VAR, OFFLOAD_SYNC_DEFAULT, environ)
 
 
 def plugin_whitelisted(environ: Optional[Environ] = None) -> bool:
@@ -144,3 +124,11 @@ def plugin_whitelisted(environ: Optional[Environ] = None) -> bool:
     raw = env.get(PLUGINS_VAR, "")
     allowed = {x.strip() for x in raw.split(",") if x.strip()}
     return not allowed or ENTRY_POINT_NAME in allowed
+
+
+__all__ = ["ALLOW_UNTESTED_DEFAULT", "ALLOW_UNTESTED_VAR", "DEPTH_AUTO", "DEPTH_DEFAULT",
+    "DEPTH_MAX", "DEPTH_VAR", "ENABLE_DEFAULT", "ENABLE_VAR", "ENTRY_POINT_NAME",
+    "FALSE_SPELLINGS", "OFFLOAD_SYNC_DEFAULT", "OFFLOAD_SYNC_VAR", "PLUGINS_VAR",
+    "PREFETCH_VOTES_DEFAULT", "PREFETCH_VOTES_VAR", "TRUE_SPELLINGS", "Settings",
+    "allow_untested", "offload_sync_enabled", "parse_bool", "parse_depth", "plugin_whitelisted",
+    "prefetch_votes_enabled", "read_settings"]  # fmt: skip

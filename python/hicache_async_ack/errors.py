@@ -19,7 +19,7 @@ class HiCacheAsyncAckMismatch(HiCacheAsyncAckError):
 
 
 class HiCacheAckSyncError(HiCacheAsyncAckError):
-    """The HiCache ack sync cannot continue on this rank."""
+    """The ack-count sync cannot continue on this rank."""
 
 
 class HiCacheAckSyncMismatch(HiCacheAckSyncError, HiCacheAsyncAckMismatch):
@@ -49,14 +49,6 @@ class OffloadSyncMismatch(OffloadSyncError, HiCacheAsyncAckMismatch):
     """The decode ranks disagree (a stock peer, the setting, the stamp)."""
 
 
-__all__ = [
-    "AdmissionMismatch",
-    "HiCacheAckSyncError",
-    "HiCacheAckSyncMismatch",
-    "HiCacheAsyncAckError",
-    "HiCacheAsyncAckMismatch",
-    "OffloadSyncError",
-    "OffloadSyncMismatch",
-    "PrefetchVoteError",
-    "PrefetchVoteMismatch",
-]
+__all__ = ["AdmissionMismatch", "HiCacheAckSyncError", "HiCacheAckSyncMismatch",
+    "HiCacheAsyncAckError", "HiCacheAsyncAckMismatch", "OffloadSyncError", "OffloadSyncMismatch",
+    "PrefetchVoteError", "PrefetchVoteMismatch"]  # fmt: skip

@@ -1,65 +1,36 @@
-"""Fingerprints of what a function does: a hash of its source as a canonical
-syntax tree, the same whether the source comes from a live function
-(``inspect.getsource``) or from a file in a wheel that is never imported.
-
-Canonical means: node class names and ``_fields`` only, never ``ast.dump`` (whose
-format changes between Python versions); positions are not fields; empty and None
-fields are left out, so a field that a newer Python adds with an empty default
-changes nothing; docstrings, comments, formatting and type annotations do not count.
-Constants keep their type, so ``1`` and ``'1'`` differ. No SGLang here: the targets
-and the verdict are :mod:`hicache_async_ack.guard`'s.
+"""Fingerprints of what a function does: a hash of its source as a canonical syntax tree,
+the same from a live function or from a wheel's file never imported. Canonical: node
+class names and ``_fields`` only (never ``ast.dump``), no positions, empty/None fields
+left out; docstrings, comments, formatting and annotations do not count; constants keep
+their type. No SGLang here: the targets and the verdict are :mod:`.guard`'s.
 """
 
 from __future__ import annotations
 
 import ast
-import copy
 import hashlib
 import inspect
 import textwrap
 from typing import Any, Callable, Iterable, Optional
 
-# Bump when canonical() changes: every recorded fingerprint changes with it, and the
-# table must be recorded again (guard.load_table refuses one of another scheme).
+# Bump when canonical() changes: the table must be recorded again (load_table checks).
 SCHEME = "canonical-ast-1"
 
 BODY = "body"  # the whole definition: what it does
 SIGNATURE = "signature"  # name, parameters and decorators only
 
 
+# ctx: implied by position; kind: the u"" prefix; annotations do not change what runs
 _SKIPPED_FIELDS = frozenset(
-    {
-        "ctx",  # Load / Store / Del: implied by the position
-        "type_comment",
-        "kind",  # Constant.kind: the u"" prefix
-        "annotation",  # annotations do not change what runs
-        "returns",
-        "simple",  # AnnAssign.simple
-        "type_params",  # 3.12+; empty for everything fingerprinted here
-    }
+    {"ctx", "type_comment", "kind", "annotation", "returns", "simple", "type_params"}
 )
 _DOCSTRING_OWNERS = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
 def _body_without_docstring(node: ast.AST, body: list) -> list:
-    if (
-        isinstance(node, _DOCSTRING_OWNERS)
-        and body
-        and isinstance(body[0], ast.Expr)
-        and isinstance(body[0].value, ast.Constant)
-        and isinstance(body[0].value.value, str)
-    ):
-        return body[1:]
-    return body
-
-
-def without_docstring(node: ast.AST) -> ast.AST:
-    """A copy of a definition without its docstring (for showing diffs)."""
-    node = copy.copy(node)
-    body = getattr(node, "body", None)
-    if isinstance(body, list):
-        node.body = _body_without_docstring(node, body) or [ast.Pass()]  # type: ignore[attr-defined]
-    return node
+    first = body[0] if body and isinstance(node, _DOCSTRING_OWNERS) else None
+    doc = first.value if isinstance(first, ast.Expr) else None
+    return body[1:] if isinstance(doc, ast.Constant) and isinstance(doc.value, str) else body
 
 
 def canonical(node: Any) -> str:
@@ -129,16 +100,9 @@ def find_def(tree: ast.Module, qualname: str) -> Optional[ast.AST]:
     """The definition of ``Class.method`` (or ``function``) at the top of a module."""
     scope: Iterable[ast.stmt] = tree.body
     node: Optional[ast.AST] = None
+    defs = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
     for part in qualname.split("."):
-        node = next(
-            (
-                n
-                for n in scope
-                if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                and n.name == part
-            ),
-            None,
-        )
+        node = next((n for n in scope if isinstance(n, defs) and n.name == part), None)
         if node is None:
             return None
         scope = node.body

@@ -1,39 +1,14 @@
-"""The version guard: which SGLang releases the plugin is tested on, and whether
-the installed SGLang behaves like one of them, for each feature.
+"""The version guard: does the installed SGLang behave like a tested release, per feature?
 
-ONE table covers every upstream function any feature wraps or relies on
-(:data:`TARGETS`, each naming the features that rely on it); a feature runs
-where every one of its targets matches one recorded release (or, with the
-opt-in, where its targets are present at all).
-
-The hooks replace one blocking reduce inside ``UnifiedRadixCache.check_hicache_events``
-and hand upstream's own pop methods the agreed counts. That is only right while those
-methods do what they did on a tested release: a same-named method with the same
-signature can still return one more field, or pop in another order. So the guard
-fingerprints what each method the hooks wrap or rely on *does*
-(:mod:`hicache_async_ack.fingerprint`) in the installed SGLang at load time, and
-compares them with the table recorded from the real wheels of every tested release
-(``upstream_fingerprints.json``, written only by
-``python -m hicache_async_ack_lab.releases record``).
-
-Verdicts (:func:`check_installed`), one per feature (:meth:`Verdict.feature`), on
-the methods that feature wraps or relies on only:
-
-- **tested**: every one of its fingerprints equals one tested release's. The feature
-  runs, whatever the version string says (a rebuild or a newer release with the same
-  methods is as good as the one recorded).
-- **untested**: no tested release has all these fingerprints (a body changed). The
-  feature stays on upstream's path and names the methods, unless the operator sets
-  ``SGLANG_HICACHE_ASYNC_ACK_ALLOW_UNTESTED=1``.
-- **incompatible**: a method is missing or takes other parameters than the hooks pass.
-  Off even with the opt-in: no setting makes a call with the wrong arguments work.
-- **absent**: a method is missing, as the table records it for a tested release
-  (the decode offload sync on 0.5.20): nothing to pipeline, nothing registered.
-
-A change in a method only the prefetch votes use stops only the votes; one in a
-method only the ack sync uses leaves the votes and the offload sync running.
-
-docs/versions.md says how to widen the range when SGLang releases.
+The hooks hand upstream's own methods the agreed counts, which is only right while those
+methods do what they did on a tested release. So at load time the guard fingerprints each
+method in :data:`TARGETS` (:mod:`.fingerprint`) and compares them with the table recorded
+from the tested wheels (``upstream_fingerprints.json``, written by the lab's ``releases
+record``). Verdicts, per feature on its own methods only: **tested** (all match one
+release: it runs), **untested** (a body changed: upstream's path unless
+``SGLANG_HICACHE_ASYNC_ACK_ALLOW_UNTESTED=1``), **incompatible** (missing, or other
+parameters: off even with the opt-in), **absent** (missing as recorded for a tested
+release: nothing registered). docs/versions.md says how to widen the range.
 """
 
 from __future__ import annotations
@@ -45,33 +20,33 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
-from .fingerprint import (
+from .fingerprint import (  # noqa: F401  (the lab records tables with these)
+    BODY,
     SCHEME,
+    SIGNATURE,
+    canonical,
     find_def,
     fingerprint_def,
+    fingerprint_function,
     module_source_path,
     param_names,
     parse_function_source,
 )
+from .names import SYNC_NAMES
 from .targets import (  # noqa: F401  (the guard's vocabulary, re-exported)
-    ACK,
-    ALL,
     CACHE_CLASS,
     CACHE_MODULE,
     MANAGER_CLASS,
     MANAGER_MODULE,
-    OFFLOAD,
     TARGETS,
-    VOTES,
     Target,
 )
 
 TABLE_PATH = Path(__file__).with_name("upstream_fingerprints.json")
 
 
-# ------------------------------------------------------------------- probing
 @dataclass(frozen=True)
 class Probe:
     """What one target looks like in the SGLang at hand."""
@@ -106,29 +81,6 @@ def probe_live(target: Target) -> Probe:
     return probe_node(target, node)
 
 
-def probe_sources(read: Callable[[str], Optional[str]]) -> list[Probe]:
-    """Probe an SGLang that is not imported (a downloaded wheel): ``read`` gives a
-    file's text by its path inside the wheel, or None when it has no such file."""
-    trees: dict[str, Optional[ast.Module]] = {}
-    probes = []
-    for target in TARGETS:
-        if target.module not in trees:
-            texts = (read(p) for p in module_source_path(target.module))
-            text = next((t for t in texts if t is not None), None)
-            trees[target.module] = None if text is None else ast.parse(text)
-        tree = trees[target.module]
-        node = None if tree is None else find_def(tree, target.qualname)
-        if node is None:
-            where = "module" if tree is None else "definition"
-            probes.append(
-                Probe(target, missing=f"no {where} for {target.module}.{target.qualname}")
-            )
-        else:
-            probes.append(probe_node(target, node))
-    return probes
-
-
-# ---------------------------------------------------------------- the table
 def load_table(path: Optional[Path] = None) -> dict[str, dict[str, Optional[str]]]:
     """Recorded fingerprints: {release: {qualname: fingerprint or None}}."""
     path = TABLE_PATH if path is None else path
@@ -169,14 +121,12 @@ def installed_version() -> Optional[str]:
         return None
 
 
-# ---------------------------------------------------------------- the verdict
 @dataclass(frozen=True)
 class MethodVerdict:
     probe: Probe
     same_as: tuple[str, ...]  # tested releases with this exact fingerprint
     signature: Optional[str] = None  # why the parameters do not fit the hooks
-    # missing here, and recorded as absent (null) in these tested releases: the
-    # features that need it stand down there, as they were recorded to
+    # missing here, and recorded as absent (null) in these tested releases
     absent_as: tuple[str, ...] = ()
 
     @property
@@ -243,9 +193,7 @@ class FeatureVerdict:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The installed SGLang against the table, judged per feature: each feature
-    runs where every method it wraps or relies on matches one tested release,
-    whatever the others' do."""
+    """The installed SGLang against the table, judged per feature on its own methods."""
 
     installed: Optional[str]  # the version string
     tested: tuple[str, ...]  # the tested releases, oldest first
@@ -264,9 +212,8 @@ class Verdict:
         return [m for m in self.methods if feature in m.target.features]
 
     def feature_incompatible(self, feature: str) -> list[str]:
-        """What keeps ``feature`` off even with the opt-in (missing, other
-        parameters), each said once (a module that cannot be imported is one
-        problem, not one per method); a method recorded as absent is not one."""
+        """What keeps ``feature`` off even with the opt-in, each said once (a method
+        recorded as absent is not one)."""
         return list(
             dict.fromkeys(
                 m.blocking
@@ -285,8 +232,7 @@ class Verdict:
         return tuple(r for r in self.tested if all(r in m.same_as for m in mine))
 
     def feature_release(self, feature: str) -> Optional[str]:
-        """The tested release ``feature``'s upstream methods behave like (its own
-        version when that is one of them), or None."""
+        """The tested release ``feature``'s methods behave like (preferring its own)."""
         matched = self.feature_matched(feature)
         if self.installed in matched:
             return self.installed
@@ -310,7 +256,7 @@ class Verdict:
         return FeatureVerdict(feature, status, release, changed, problems, absent)
 
     def features(self) -> list[FeatureVerdict]:
-        return [self.feature(f) for f in ALL]
+        return [self.feature(f) for f in SYNC_NAMES]
 
 
 def judge(
@@ -346,45 +292,27 @@ def judge(
     return Verdict(installed, tested, tuple(methods), reference or max(tested, key=score))
 
 
-def check_installed() -> Verdict:
-    """The verdict on the SGLang this process imports. Never raises for SGLang's sake:
-    anything that cannot be imported or read is reported in the verdict."""
-    return judge([probe_live(t) for t in TARGETS], installed_version())
+def check_installed(table: Optional[Path] = None) -> Verdict:
+    """The verdict on the SGLang this process imports, against ``table`` (None: the
+    shipped one); never raises for SGLang's sake (an unreadable table raises)."""
+    return judge([probe_live(t) for t in TARGETS], installed_version(), load_table(table))
 
 
-# ------------------------------------------------- the verdict this process runs on
-UNTESTED = "untested (opt-in)"  # feature_release under the opt-in, no release matched
+UNTESTED = "untested (opt-in)"  # a feature's release under the opt-in, none matched
 
 
-@dataclass
+@dataclass(frozen=True)
 class Judged:
+    """What register() decided on: the verdict (None: every feature stands down) and
+    whether the untested opt-in is set."""
+
     verdict: Optional[Verdict] = None
     untested_ok: bool = False
-    known: bool = False
 
 
-JUDGED = Judged()  # public: tests judge other releases through it
-
-
-def remember(verdict: Optional[Verdict], untested_ok: bool) -> None:
-    """What register() decided on (so every feature reads the same verdict)."""
-    JUDGED.verdict, JUDGED.untested_ok, JUDGED.known = verdict, untested_ok, True
-
-
-def feature_release(feature: str) -> Optional[str]:
-    """The tested release ``feature`` runs on in this process: from the verdict
-    register() judged (judged now if it did not run, e.g. in tests);
-    :data:`UNTESTED` under the opt-in where its methods are all present; None
-    where it stays on upstream's path."""
-    if not JUDGED.known:
-        try:
-            remember(check_installed(), False)
-        except Exception:  # a broken table: every feature stands down
-            remember(None, False)
-    verdict = JUDGED.verdict
-    if verdict is None:
-        return None
-    judged = verdict.feature(feature)
-    if judged.release is None and JUDGED.untested_ok and judged.status == "untested":
-        return UNTESTED
-    return judged.release
+__all__ = ["BODY", "CACHE_CLASS", "CACHE_MODULE", "MANAGER_CLASS", "MANAGER_MODULE", "SCHEME",
+    "SIGNATURE", "TABLE_PATH", "TARGETS", "UNTESTED", "FeatureVerdict", "Judged", "MethodVerdict",
+    "Probe", "Target", "Verdict", "canonical", "check_installed", "find_def", "fingerprint_def",
+    "fingerprint_function", "in_tested_range", "installed_version", "judge", "load_table",
+    "module_source_path", "param_names", "parse_function_source", "probe_live", "probe_node",
+    "release_key", "tested_releases"]  # fmt: skip

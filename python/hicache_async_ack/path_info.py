@@ -1,30 +1,55 @@
-"""The "why" series: which path each sync runs on a rank, and the reason code.
-
-``sglang:hicache_sync_path_info{sync, path, reason, <the cache's labels>} 1`` per
-rank and sync, info-style: a dashboard reads why a rank is blocking (the same
-decision its log line states) without opening logs, and an alert can tell "the
-plugin is installed and nothing pipelines" from "no plugin". ``reason`` is the
-decision's bounded snake_case code, never its free-text message, so the series
-count stays small. On a change of path the previous combination drops to 0: the
-current one is the series at 1 (multiprocess gauges cannot be removed).
-
-Engine-agnostic: prometheus_client (or the collector class SGLang hands over) is
-imported only when a path is published, which happens only with metrics on.
+"""The "why" series: ``sglang:hicache_sync_path_info{sync, path, reason, <cache labels>} 1``
+per rank and sync, so a dashboard reads why a rank is blocking without its logs.
+``reason`` is the decision's bounded snake_case code (the series count stays small); on
+a change the previous combination drops to 0. prometheus_client (or SGLang's collector
+class) is imported only when a path is published, i.e. only with metrics on.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
-from .names import ACK, LOGGER_NAME, SYNCS, VOTES
+from .names import CACHE_SYNCS, LOGGER_NAME, SYNC_NAMES
 
 logger = logging.getLogger(LOGGER_NAME)
 
+
+def collector_classes(metrics_collector: Any = None) -> tuple[Any, Any, Any]:
+    """(Counter, Gauge, Histogram): the classes SGLang's cache metrics use (``_counter_cls``
+    ...; other collectors, e.g. Ray's, get ours too); the gauge from the scheduler role's
+    collector class; prometheus_client's where SGLang has none."""
+    from prometheus_client import Counter, Gauge, Histogram
+
+    cache_cls = type(metrics_collector) if metrics_collector is not None else None
+    counter = getattr(cache_cls, "_counter_cls", None)
+    histogram = getattr(cache_cls, "_histogram_cls", None)
+    gauge = getattr(cache_cls, "_gauge_cls", None)
+    if gauge is None or cache_cls is None:  # no collector at all: the scheduler role's
+        scheduler_cls = _scheduler_collector_class()
+        gauge = gauge or getattr(scheduler_cls, "_gauge_cls", None)
+        if cache_cls is None:
+            counter = getattr(scheduler_cls, "_counter_cls", None)
+            histogram = getattr(scheduler_cls, "_histogram_cls", None)
+    return counter or Counter, gauge or Gauge, histogram or Histogram
+
+
+def _scheduler_collector_class() -> Any:
+    try:
+        from sglang.srt.observability.metrics_collector import (
+            STAT_LOGGER_ROLE_SCHEDULER,
+            SchedulerMetricsCollector,
+            resolve_collector_class,
+        )
+
+        return resolve_collector_class(STAT_LOGGER_ROLE_SCHEDULER, SchedulerMetricsCollector)
+    except Exception:  # an SGLang without pluggable collectors
+        return None
+
+
 NAME = "sglang:hicache_sync_path_info"
-# pipelined; blocking: SGLang's own blocking path on a cache the plugin hooks;
-# off: the plugin registered nothing for it (disabled, guard, in-tree SGLang).
+# blocking: SGLang's own path on a hooked cache; off: the plugin registered nothing for it.
 PATHS = ("pipelined", "blocking", "off")
 OTHER = "other"  # a code that is not a bounded snake_case word
 _CODE = re.compile(r"[a-z][a-z0-9_]{0,47}")
@@ -36,17 +61,14 @@ _current: dict[tuple[tuple[tuple[str, str], ...], str], tuple[str, str]] = {}
 
 
 def reason_code(code: Optional[str]) -> str:
-    """``code`` if it is a bounded snake_case word, else ``other``: a message
-    passed by mistake must not mint one series per wording."""
+    """``code`` if a bounded snake_case word, else ``other`` (no series per wording)."""
     return code if code is not None and _CODE.fullmatch(code) else OTHER
 
 
-def _family(labelnames: tuple[str, ...], metrics_collector: Any = None):
+def _family(labelnames: tuple[str, ...], metrics_collector: Any = None) -> Any:
     fam = _families.get(labelnames)
     if fam is not None:
         return fam
-    from .metrics import collector_classes
-
     gauge = collector_classes(metrics_collector)[1]
     extra: dict[str, Any] = {}
     if _families:
@@ -72,12 +94,11 @@ def publish(
     labels: Mapping[str, Any],
     metrics_collector: Any = None,
 ) -> bool:
-    """Set this rank's ``sync`` to ``path`` for ``reason`` (a decision's code);
-    the combination it replaces drops to 0. Never raises (metrics never fail
-    HiCache); False, logged, when the series cannot be written."""
+    """Set this rank's ``sync`` to ``path`` for ``reason`` (the one replaced drops to 0).
+    Never raises: False, logged, when the series cannot be written."""
     try:
-        if sync not in SYNCS:
-            raise ValueError(f"unknown sync {sync!r} (one of {SYNCS})")
+        if sync not in SYNC_NAMES:
+            raise ValueError(f"unknown sync {sync!r} (one of {SYNC_NAMES})")
         if path not in PATHS:
             raise ValueError(f"unknown path {path!r} (one of {PATHS})")
         own = {k: str(v) for k, v in labels.items()}
@@ -98,26 +119,12 @@ def publish(
         return False
 
 
-def path_of(pipelined: bool, off: bool = False) -> str:
-    """The ``path`` label of a decision."""
-    return "pipelined" if pipelined else "off" if off else "blocking"
+def inert_hook(reason: str, syncs: tuple[str, ...] = CACHE_SYNCS) -> Callable[..., Any]:
+    """An AFTER init_hicache hook where features stand down: publishes path ``off`` with
+    ``reason`` for each of ``syncs`` under the cache's labels; reads only
+    ``cache.metrics_collector``, takes any arguments and never raises."""
 
-
-# The syncs a UnifiedRadixCache carries (the decode offload sync lives on PD
-# decode's offload manager, which is built elsewhere and announces itself).
-CACHE_SYNCS = (ACK, VOTES)
-
-
-def inert_hook(reason: str, syncs: tuple[str, ...] = CACHE_SYNCS):
-    """An AFTER hook for the cache's ``init_hicache`` where features stand down
-    (the version guard refused this SGLang for them): it publishes path ``off``
-    with ``reason`` for each of ``syncs`` under the cache's own metric labels,
-    so "installed and not pipelining" is visible, sync by sync. It reads only
-    ``cache.metrics_collector`` (present with --enable-metrics), touches nothing
-    else, takes any arguments (the hooked signature may have changed) and never
-    raises."""
-
-    def after_init_hicache_path_info(result, cache, *args, **kwargs):
+    def after_init_hicache_path_info(result: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             collector = getattr(cache, "metrics_collector", None)
             labels = getattr(collector, "labels", None)

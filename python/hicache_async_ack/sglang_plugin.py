@@ -1,21 +1,19 @@
-"""The SGLang plugin's entry point: :func:`register` judges each feature
-(:mod:`hicache_async_ack.features`) with the version guard
-(:mod:`hicache_async_ack.guard`) on the methods that feature wraps or relies
-on, and registers the hooks of those that may run.
+"""The SGLang plugin's entry point and its public face.
 
-Entry point ``hicache_async_ack = hicache_async_ack.sglang_plugin:register`` in
-the group ``sglang.srt.plugins`` (a public contract: operators' SGLANG_PLUGINS
-lists name it). SGLang's ``load_plugins()`` calls :func:`register` in every
-process, then applies the hooks. Every hook, with its notes (target, why, how,
-when it stands down, upstream PR, removal), lives beside its feature.
+:func:`register` (entry point ``hicache_async_ack`` in group ``sglang.srt.plugins``, a
+public contract) judges each sync with the version guard on its own methods and
+registers the hooks of those that may run; SGLang's ``load_plugins()`` calls it with no
+argument, a caller driving SGLang itself hands in an :class:`Environment`. The rest is
+what a caller may use: the environment, the states (a negative control subclasses one),
+:func:`init_cache` for a cache built by hand, :func:`state_of`.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from dataclasses import replace
+from typing import Any, Callable, Literal, Optional, overload
 
-from . import path_info
 from .env import (
     ALLOW_UNTESTED_VAR,
     ENABLE_VAR,
@@ -25,29 +23,37 @@ from .env import (
     read_settings,
 )
 from .features import all_features
-from .features.ack_sync import TAG
-from .guard import CACHE_CLASS, Verdict, check_installed, remember
-from .kit.feature import Feature
-from .kit.hooks import hook, is_hooked, registrations
-from .names import LOGGER_NAME, TITLES
+from .features.ack_counts import TAG, AckCountsState
+from .features.decode_offload import OffloadSyncState
+from .features.prefetch_votes import PrefetchVoteState
+from .features.vote_landing import Landing, Pins
+from .guard import CACHE_CLASS, Judged, Verdict, check_installed
+from .kit.collectives import Collectives, TorchHandle
+from .kit.environment import Environment, EventSink, environment, use_environment
+from .kit.feature import Feature, FeatureState
+from .kit.hooks import hook, hooked_for, is_hooked, registrations
+from .names import ACK_COUNTS, BY_NAME, CACHE_SYNCS, LOGGER_NAME, SyncName
+from .path_info import inert_hook
 
 logger = logging.getLogger(LOGGER_NAME)
+IN_TREE_MODULE = "sglang.srt.mem_cache.unified_cache.hicache_ack_sync"  # upstream-patch adds it
 
 
-def config_error_hook(error: ValueError):
-    """A BEFORE init_hicache hook that raises ``error``: load_plugins() swallows
-    what register() raises, so a bad setting stops the server here instead."""
+def config_error_hook(error: ValueError) -> Callable[..., Any]:
+    """A BEFORE init_hicache hook raising ``error`` (load_plugins() swallows ours)."""
 
-    def before_init_hicache(cache, *args, **kwargs):
+    def before_init_hicache(cache: Any, *args: Any, **kwargs: Any) -> None:
         raise error
 
     return hook(before_init_hicache)
 
 
-def register() -> None:
-    """Entry point called by SGLang's load_plugins() in every process."""
+def register(env: Optional[Environment] = None) -> None:
+    """Entry point called by SGLang's load_plugins() in every process; ``env``, if given,
+    is installed for every state built from now on."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    env = environment() if env is None else env
     untested_ok = False
     try:
         settings = read_settings()
@@ -55,54 +61,46 @@ def register() -> None:
             untested_ok = allow_untested()
             prefetch_votes_enabled()  # validated here; read per cache at init
             offload_sync_enabled()  # validated here; read at the manager's first step
-    except ValueError as error:
-        # load_plugins() swallows exceptions from plugins; raise from a hook at
-        # HiCache init instead so the server refuses to start with a bad value.
+    except ValueError as error:  # raised at HiCache init instead: the server refuses to start
         logger.error("hicache-async-ack: %s", error)
         HookRegistry.register(
             f"{CACHE_CLASS}.init_hicache", config_error_hook(error), HookType.BEFORE
         )
         return
     if not settings.enabled:
-        logger.info("HiCache ack sync: blocking (upstream path) because %s=0", ENABLE_VAR)
+        logger.info("%s: blocking (upstream path) because %s=0", ACK_COUNTS.title, ENABLE_VAR)
         return
     if carries_the_sync_itself():
-        logger.info(
-            "%s: this SGLang carries the pipelined ack sync itself (%s); registering no hooks",
-            TAG,
-            IN_TREE_MODULE,
-        )
+        logger.info("%s: this SGLang carries the pipelined ack sync itself (%s); registering "
+                    "no hooks", TAG, IN_TREE_MODULE)  # fmt: skip
         return
-    verdict = judge_installed(untested_ok)
-    allowed: list[Feature] = []
-    standing_down: dict[str, str] = {}  # sync -> reason code
+    verdict = env.judged.verdict if env.judged is not None else judge_installed(env)
+    use_environment(replace(env, judged=Judged(verdict, untested_ok)))
+    allowed: list[Feature[Any]] = []
+    standing_down: dict[SyncName, str] = {}  # sync -> reason code
     for feature in all_features():
+        name = feature.sync.name
         if verdict is None:
-            standing_down[feature.sync] = "untested_release"
+            standing_down[name] = "untested_release"
         elif allows(verdict, feature, untested_ok):
             allowed.append(feature)
         else:
-            absent = verdict.feature(feature.sync).status == "absent"
-            standing_down[feature.sync] = "not_in_release" if absent else "untested_release"
+            absent = verdict.feature(name).status == "absent"
+            standing_down[name] = "not_in_release" if absent else "untested_release"
     hooks = [h for feature in allowed for h in feature.hooks]
     for target, kind, fn in registrations(hooks):
         HookRegistry.register(target, fn, getattr(HookType, kind))
-    # A feature that stands down on this SGLang is visible per rank all the same:
-    # path "off" and why, on every cache (sglang:hicache_sync_path_info).
+    # a sync standing down here still shows path "off" and why (path info series)
     for reason in sorted(set(standing_down.values())):
-        syncs = tuple(s for s in path_info.CACHE_SYNCS if standing_down.get(s) == reason)
+        syncs = tuple(s for s in CACHE_SYNCS if standing_down.get(s) == reason)
         if syncs:
-            info = path_info.inert_hook(reason, syncs)
-            HookRegistry.register(f"{CACHE_CLASS}.init_hicache", info, HookType.AFTER)
+            HookRegistry.register(f"{CACHE_CLASS}.init_hicache", inert_hook(reason, syncs),
+                                  HookType.AFTER)  # fmt: skip
     logger.debug("hicache-async-ack: registered %d hooks", len(hooks))
 
 
-IN_TREE_MODULE = "sglang.srt.mem_cache.unified_cache.hicache_ack_sync"  # upstream-patch adds it
-
-
 def carries_the_sync_itself() -> bool:
-    """Whether this SGLang was patched with the in-tree form: hooking it again
-    would pipeline the pipelined step."""
+    """Whether this SGLang carries the in-tree form (hooking it would pipeline twice)."""
     import importlib.util
 
     try:
@@ -111,25 +109,21 @@ def carries_the_sync_itself() -> bool:
         return False
 
 
-def judge_installed(untested_ok: bool) -> Optional[Verdict]:
-    """The version guard's verdict on this SGLang, remembered for every feature
-    (None, logged, if it cannot judge: then every feature stands down)."""
+def judge_installed(env: Environment) -> Optional[Verdict]:
+    """The guard's verdict on this SGLang (None, logged: every sync stands down)."""
     try:
-        verdict = check_installed()
+        return check_installed(env.table)
     except Exception as exc:  # e.g. the table missing from a broken install
-        remember(None, False)
         logger.error("%s: cannot judge this SGLang (%r); registering no hooks", TAG, exc)
         return None
-    remember(verdict, untested_ok)  # every feature reads its own verdict from it
-    return verdict
 
 
-def allows(verdict: Verdict, feature: Feature, untested_ok: bool) -> bool:
-    """Whether ``feature`` may run on this SGLang, said once per process: the
-    guard's verdict on its own methods, whatever the other features' are."""
-    judged = verdict.feature(feature.sync)
-    title = TITLES[feature.sync]
+def allows(verdict: Verdict, feature: Feature[Any], untested_ok: bool) -> bool:
+    """Whether ``feature`` may run on this SGLang (its own methods' verdict), logged."""
+    judged = verdict.feature(feature.sync.name)
+    title = feature.sync.title
     summary = judged.summary(verdict)
+    tested = ", ".join(verdict.tested)
     if judged.status == "tested":
         logger.info("%s (%s): %s; pipelining allowed", title, TAG, summary)
         return True
@@ -137,37 +131,43 @@ def allows(verdict: Verdict, feature: Feature, untested_ok: bool) -> bool:
         logger.info("%s (%s): not hooked: %s", title, TAG, summary)
         return False
     if judged.status == "incompatible":
-        logger.warning(
-            "%s (%s): %s. Not hooked, stock behaviour kept (%s cannot override this: the "
-            "hooks need these methods, called with these parameters).",
-            title,
-            TAG,
-            summary,
-            ALLOW_UNTESTED_VAR,
-        )
+        logger.warning("%s (%s): %s. Not hooked, stock behaviour kept (%s cannot override "
+                       "this: the hooks need these methods, called with these parameters).",
+                       title, TAG, summary, ALLOW_UNTESTED_VAR)  # fmt: skip
         return False
     if not untested_ok:
-        logger.warning(
-            "%s (%s): %s. Not hooked, stock behaviour kept. Tested: %s. To run anyway "
-            "after reading what changed, set %s=1 on every node.",
-            title,
-            TAG,
-            summary,
-            ", ".join(verdict.tested),
-            ALLOW_UNTESTED_VAR,
-        )
+        logger.warning("%s (%s): %s. Not hooked, stock behaviour kept. Tested: %s. To run "
+                       "anyway after reading what changed, set %s=1 on every node.",
+                       title, TAG, summary, tested, ALLOW_UNTESTED_VAR)  # fmt: skip
         return False
-    logger.warning(
-        "%s (%s): RUNNING ON AN UNTESTED SGLANG because %s=1. %s. It was not tested "
-        "against these methods: if they changed what they return or pop, the server "
-        "can fail or the ranks can pop different entries. Tested: %s.",
-        title,
-        TAG,
-        ALLOW_UNTESTED_VAR,
-        summary,
-        ", ".join(verdict.tested),
-    )
+    logger.warning("%s (%s): RUNNING ON AN UNTESTED SGLANG because %s=1. %s. It was not "
+                   "tested against these methods: if they changed what they return or pop, "
+                   "the server can fail or the ranks can pop different entries. Tested: %s.",
+                   title, TAG, ALLOW_UNTESTED_VAR, summary, tested)  # fmt: skip
     return True
 
 
-__all__ = ["register", "is_hooked"]
+def init_cache(cache: Any, params: Any = None) -> None:
+    """What SGLang's ``init_hicache`` hooks do, for a cache built by hand: every cache
+    sync's state, in order (``params.enable_metrics`` turns the metrics on)."""
+    for feature in all_features():
+        if feature.sync.name in CACHE_SYNCS:
+            init = next(h for h in feature.hooks if h.method == "init_hicache")
+            init.fn(None, cache, None, params)
+
+
+@overload
+def state_of(obj: Any, sync: Literal["ack_counts"]) -> Optional[AckCountsState]: ...
+@overload
+def state_of(obj: Any, sync: Literal["prefetch_votes"]) -> Optional[PrefetchVoteState]: ...
+@overload
+def state_of(obj: Any, sync: Literal["decode_offload"]) -> Optional[OffloadSyncState]: ...
+def state_of(obj: Any, sync: SyncName) -> Optional[FeatureState]:
+    """``obj``'s state for ``sync`` (a cache's, a decode offload manager's), if built."""
+    state: Optional[FeatureState] = obj.__dict__.get(BY_NAME[sync].state_attr)
+    return state
+
+
+__all__ = ["AckCountsState", "Collectives", "Environment", "EventSink", "Landing",
+    "OffloadSyncState", "Pins", "PrefetchVoteState", "TorchHandle", "environment", "hooked_for",
+    "init_cache", "is_hooked", "register", "state_of", "use_environment"]  # fmt: skip

@@ -8,8 +8,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from hicache_async_ack.tools import cli as runtime_cli
-from hicache_async_ack_lab import upstream_patch
+from hicache_async_ack_lab import cli_support, upstream_patch
 from hicache_async_ack_lab.bench import driver as bench
 from hicache_async_ack_lab.bench import server as bench_server
 from hicache_async_ack_lab.cpu_server import cli as cpu_server
@@ -18,8 +17,8 @@ from hicache_async_ack_lab.testing import diff_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return runtime_cli.build_parser(
-        runtime_cli.LAB_PROG,
+    return cli_support.build_parser(
+        cli_support.LAB_PROG,
         "The hicache-async-ack lab: benchmarks, SGLang's real server on CPU, the "
         "Mooncake launcher and the in-tree patch (the plugin itself is hicache-async-ack).",
         [
@@ -34,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return runtime_cli.run(build_parser(), argv)
+    return cli_support.run(build_parser(), argv)
 
 
 if __name__ == "__main__":

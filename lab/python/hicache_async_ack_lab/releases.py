@@ -34,9 +34,19 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from hicache_async_ack import guard as upstream
-from hicache_async_ack.fingerprint import find_def, module_source_path, without_docstring
-from hicache_async_ack.guard import TABLE_PATH, Verdict, judge, probe_sources, release_key
-from hicache_async_ack.tools.options import ToolError
+from hicache_async_ack.guard import (
+    TABLE_PATH,
+    TARGETS,
+    Probe,
+    Verdict,
+    find_def,
+    judge,
+    module_source_path,
+    probe_node,
+    release_key,
+)
+from hicache_async_ack.names import ACK
+from hicache_async_ack_lab.cli_support import ToolError
 
 PIP_TIMEOUT_S = 600.0
 
@@ -107,6 +117,44 @@ def _package_relative(name: str) -> Optional[str]:
     return None
 
 
+def probe_sources(read: Callable[[str], Optional[str]]) -> list[Probe]:
+    """Probe an SGLang that is not imported (a downloaded wheel): ``read`` gives a
+    file's text by its path inside the wheel, or None when it has no such file."""
+    import ast
+
+    trees: dict[str, Optional[ast.Module]] = {}
+    probes = []
+    for target in TARGETS:
+        if target.module not in trees:
+            texts = (read(p) for p in module_source_path(target.module))
+            text = next((t for t in texts if t is not None), None)
+            trees[target.module] = None if text is None else ast.parse(text)
+        tree = trees[target.module]
+        node = None if tree is None else find_def(tree, target.qualname)
+        if node is None:
+            where = "module" if tree is None else "definition"
+            missing = f"no {where} for {target.module}.{target.qualname}"
+            probes.append(Probe(target, missing=missing))
+        else:
+            probes.append(probe_node(target, node))
+    return probes
+
+
+def without_docstring(node):
+    """A copy of a definition without its docstring (for showing diffs)."""
+    import ast
+    import copy
+
+    node = copy.copy(node)
+    body = getattr(node, "body", None)
+    if isinstance(body, list):
+        doc = body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+        node.body = (body[1:] if doc and isinstance(body[0].value.value, str) else body) or [
+            ast.Pass()
+        ]
+    return node
+
+
 def probe_release(release: str) -> tuple[Path, list[upstream.Probe]]:
     wheel = fetch(release)
     return wheel, probe_sources(archive_reader(wheel))
@@ -121,9 +169,7 @@ def record(releases: list[str], path: Path = TABLE_PATH) -> dict:
         # A method the ack sync needs must be there; one only another feature
         # needs is recorded as absent (null): that feature stays off there (the
         # decode offload sync on 0.5.20, the prefetch votes before 0.5.23).
-        missing = [
-            p.target.qualname for p in probes if p.missing and upstream.ACK in p.target.features
-        ]
+        missing = [p.target.qualname for p in probes if p.missing and ACK in p.target.features]
         if missing:
             raise ToolError(f"sglang {release} ({wheel.name}) lacks {', '.join(missing)}")
         table[release] = {p.target.qualname: p.fingerprint for p in probes}

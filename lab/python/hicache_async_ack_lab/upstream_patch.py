@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from hicache_async_ack.tools.options import ToolError
+from hicache_async_ack_lab.cli_support import ToolError
 from hicache_async_ack_lab.intree import unidiff
 from hicache_async_ack_lab.intree.doc_edit import DOC_PATH, edit_doc
 from hicache_async_ack_lab.intree.edits import CACHE_PATH, ENVIRON_PATH, edit_cache, edit_environ

@@ -1,30 +1,15 @@
-"""Storage-prefetch decisions on SGLang's UnifiedRadixCache, riding the ack
-counts' reduce: the feature, its per-cache state and its hooks (where the
-verdicts land: :mod:`.vote_landing`; the book: :mod:`..protocol.votes`).
+"""Storage-prefetch decisions on SGLang's UnifiedRadixCache, riding the ack counts'
+reduce: the feature, its per-cache state (hooks: :mod:`.vote_hooks`; landing:
+:mod:`.vote_landing`; the book: :mod:`..protocol.votes`; docs/design.md).
 
-Stock decides a prefetch's end in the scheduler's waiting-queue walk, each time
-the walk reaches its request: under ``--hicache-storage-prefetch-policy
-timeout`` (the default) with one blocking MAX all_reduce of "this rank's
-deadline passed" per request reached, under ``best_effort`` at once. Here, in a
-walk, ``_can_terminate_prefetch`` runs no collective: it notes the reach and
-this rank's vote and answers "not yet". The walk (its reaches, and the requests
-the batch admitted) rides the next reduce as one section; where that reduce is
-read back, before its boundary's pops, the cache holds the agreed state
-stock's walk saw, and every stop is made there through upstream's own code,
-in walk order: **every decision stock makes at pass p from agreed state, the
-plugin makes at pass p + depth + 1 from that state.** Nothing else is held:
-aborts and prefetch starts run at once, as in stock (the limiter counts the
-reads still running until their stops land; docs/design.md).
-
-Two carriers, one collective per pass either way:
-
-* the ack sync pipelines (host memory mode ``cache``): the section rides its
-  async reduce (a :class:`~hicache_async_ack.kit.feature.Rider`), for the
-  ``timeout`` and ``best_effort`` walks; decisions depth + 1 passes after the walk.
-* the ack sync keeps upstream's blocking reduce (``buffer_only``, or the ack
-  sync standing down on its own), under ``timeout`` only (nothing lags
-  otherwise): after the votes' own first exchange, the section rides that
-  reduce inside ``_sync_hicache_ready_counts``; decisions one pass after the walk.
+Stock decides a prefetch's end in the waiting-queue walk: under ``timeout`` with one
+blocking MAX all_reduce per request reached, under ``best_effort`` at once. Here the walk
+runs no collective: it notes the reach and this rank's vote and answers "not yet"; the
+walk rides the next reduce as one section, and every stop is made where it is read
+back, through upstream's code, in walk order. Carriers, one collective per pass either
+way: the ack sync's async reduce (host memory mode ``cache``: ``timeout`` and
+``best_effort``; depth + 1 passes late), or, with the ack sync on upstream's blocking
+reduce, that reduce (``timeout`` only, after the votes' own first exchange; one pass late).
 """
 
 from __future__ import annotations
@@ -35,31 +20,36 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..env import ENABLE_VAR, PREFETCH_VOTES_VAR, prefetch_votes_enabled
 from ..errors import PrefetchVoteError, PrefetchVoteMismatch
-from ..guard import feature_release
-from ..kit.collectives import Collectives, upstream_count_slots
+from ..guard import CACHE_CLASS
+from ..kit.collectives import upstream_count_slots
 from ..kit.decision import Decision, blocking, missing_attrs, untested_release
-from ..kit.environment import environment
-from ..kit.feature import Feature, FeatureState
+from ..kit.environment import Environment, environment
+from ..kit.feature import Feature, FeatureState, feature_release, state_class
 from ..kit.groups import group_decision
 from ..kit.hooks import unhooked
-from ..names import ACK, LOGGER_NAME, VOTES
-from ..protocol.stamp import Stamp, describe_mismatch, pack_stamp, stamps_differ
-from ..protocol.votes import VOTE_SLOTS, VOTES_PROTOCOL, Ballot, VoteBook
-from . import ack_sync
+from ..kit.owner import Carrier
+from ..names import ACK, BEST_EFFORT, LOGGER_NAME, PREFETCH_VOTES, STOP_POLICIES, TIMEOUT, VOTES
+from ..protocol.stamp import (
+    VOTES_FLAG,
+    VOTES_SETTING_FLAG,
+    Stamp,
+    describe_mismatch,
+    pack_stamp,
+    stamps_differ,
+)
+from ..protocol.votes import VOTE_SLOTS, VOTES_PROTOCOL, Ballot, Exchange, VoteBook
+from . import ack_counts
 from .vote_landing import PREDICATE, Landing, operation_key
 
 logger = logging.getLogger(LOGGER_NAME)
 REQUIRED_ATTRS = ("ongoing_prefetch", "prefetch_stop_policy", "pp_rank", "enable_storage")
 RIDE_ACK, RIDE_UPSTREAM = "ack", "upstream"  # the carriers (PrefetchVoteState.mode)
-TIMEOUT, BEST_EFFORT, WAIT_COMPLETE = "timeout", "best_effort", "wait_complete"
 HELD = (TIMEOUT, BEST_EFFORT)  # the policies whose walks the votes hold
 ALL_REDUCE = "_all_reduce"
-# Layout flags the votes own in the ack sync's reduce: their section rides it
-# (this rank would vote), and their setting (agreed in the ack sync's first exchange).
-VOTES_FLAG, SETTING_FLAG = 1, 2
+# The votes' layout flags in the ack sync's reduce: their section rides it; their setting.
 FLAGS = {
     VOTES_FLAG: "the prefetch votes' section (a storage backend under a walk's stop policy)",
-    SETTING_FLAG: PREFETCH_VOTES_VAR,
+    VOTES_SETTING_FLAG: PREFETCH_VOTES_VAR,
 }
 MISMATCH_HINTS = {
     "protocol": (
@@ -71,61 +61,43 @@ MISMATCH_HINTS = {
         f"install and the same {ENABLE_VAR} / {PREFETCH_VOTES_VAR}."
     ),
 }
-HOOKED = (
-    "check_hicache_events",
-    "_can_terminate_prefetch",
-    "_sync_hicache_ready_counts",
-    "finish_storage_prefetch_admission",
-    "release_aborted_request",
-    "reset",
-)
 ADDER_CLASS = "sglang.srt.managers.schedule_policy.PrefillAdder"
 SCHEDULER_CLASS = "sglang.srt.managers.scheduler.Scheduler"
-ADMISSION_HOOKED = ("_account_prefill_cache_admission", "add_chunked_req")
 
 
-def static_decision(cache: Any, release: Optional[str], blocker: Optional[Decision]) -> Decision:
-    """The votes need a group that runs a collective (world size > 1; attention
-    CP x TP where one TP group spans both, as for the ack sync)."""
+def static_decision(
+    cache: Any, release: Optional[str], blocker: Optional[Decision], env: Environment
+) -> Decision:
+    """The votes need a group that runs a collective (as for the ack counts)."""
     return (
         blocker
         or untested_release(release, f"the votes' methods (UnifiedRadixCache.{PREDICATE} ...)")
         or missing_attrs(cache, REQUIRED_ATTRS)
         or missing_attrs(cache, (PREDICATE,))
-        or group_decision(cache)
+        or group_decision(cache, env.collectives.world_size)
     )
 
 
 class PrefetchVoteState(FeatureState):
-    """What is kept per cache, and the ack sync's rider.
+    """What is kept per cache, and the ack sync's rider; kept with the votes off too, as
+    their setting is agreed in a first exchange (a peer that differs is named)."""
 
-    Every rank whose plugin is on keeps this state, also with the votes off:
-    their setting is agreed in the first exchange (the ack sync's, or with
-    upstream's carrier the votes' own), so a peer without the plugin or with
-    the votes off stops every plugin rank by name."""
-
-    feature = VOTES
+    sync = PREFETCH_VOTES
     flags: Mapping[int, str] = FLAGS
     layout_bit = VOTES_FLAG
     landing_class: type[Landing] = Landing
 
-    def __init__(
-        self,
-        cache: Any,
-        enabled: bool,
-        release: Optional[str],
-        blocker: Optional[Decision] = None,
-        coll: Optional[Collectives] = None,
-    ) -> None:
-        super().__init__(static_decision(cache, release, blocker), coll)
-        sink = environment().events
+    def __init__(self, cache: Any, enabled: bool, release: Optional[str],
+                 blocker: Optional[Decision], env: Environment) -> None:  # fmt: skip
+        super().__init__(static_decision(cache, release, blocker, env), env)
+        sink = env.events
         self.emit: Callable[..., None] = (
             (lambda kind, **fields: None)
             if sink is None
             else (lambda kind, **fields: sink(kind, pass_no=self.passes, **fields))
         )
         self.enabled = enabled
-        self.book = VoteBook(hints=MISMATCH_HINTS)
+        self.book = VoteBook(title=self.sync.title, hints=MISMATCH_HINTS)
         self.landing = self.landing_class(self.emit)
         self.passes = 0  # check_hicache_events calls seen (the same on every rank)
         self.mode: Optional[str] = None  # this pass's carrier
@@ -135,20 +107,18 @@ class PrefetchVoteState(FeatureState):
         self.interval_label: Optional[str] = None  # ... the pass whose interval is open
         self.said_overflow = False
 
-    # ------------------------------------------------------------- the path
     def dynamic_blocker(self, cache: Any) -> Optional[Decision]:
-        """Why no section holds this pass's walk (the setting aside): conditions
-        every rank shares."""
+        """Why no section holds this pass's walk (the setting aside; shared by all ranks)."""
+        if getattr(cache, "linker", None) is not None:  # first: it takes the controller's place
+            return blocking("external cache linker attached (no ack-count reduce)", "linker")
         if cache.cache_controller is None:
             return blocking("HiCache controller not attached", "no_controller")
         if not cache.enable_storage:
             return blocking("no storage backend attached (no prefetch to decide)", "no_storage")
         if cache.pp_size != 1:
             return blocking(f"pp_size={cache.pp_size} (PP0 decides, sent along PP)", "pp")
-        if getattr(cache, "linker", None) is not None:
-            return blocking("external cache linker attached (no ack-count reduce)", "linker")
         policy = cache.prefetch_stop_policy
-        if policy not in (TIMEOUT, BEST_EFFORT, WAIT_COMPLETE):
+        if policy not in STOP_POLICIES:
             return blocking(f"prefetch policy {policy!r} is not one the votes know", "policy")
         if policy != TIMEOUT and self.mode != RIDE_ACK:
             return blocking(
@@ -182,20 +152,16 @@ class PrefetchVoteState(FeatureState):
             how = "riding upstream's blocking ack-count reduce; decisions one pass late"
         return (f"world size {decision.world_size}", how, "no collective per request")
 
-    def failed(self, exc: PrefetchVoteError) -> None:
+    def failed(self, exc: PrefetchVoteError) -> None:  # type: ignore[override]
         self.active = False
-        if self.metrics is not None:
-            reason = "mismatch" if isinstance(exc, PrefetchVoteMismatch) else "failure"
-            self.metrics.on_failure(reason)
+        super().failed(exc)
 
-    # --------------------------------------------------------- the boundary
-    def begin_pass(self, cache: Any, carrier: Any) -> None:
-        """Before check_hicache_events: the last pass is over (its pins go);
-        pick this pass's carrier; with upstream's, the votes' first exchange once."""
+    def begin_pass(self, cache: Any, carrier: Carrier) -> None:
+        """Before check_hicache_events: release the last pass's pins, pick the carrier
+        (with upstream's, the votes' first exchange once)."""
         self.passes += 1
         self.landing.pins.release_all(cache)
-        pipelines = carrier.sync is not None and carrier.decide(cache).pipelined
-        self.mode = RIDE_ACK if pipelines else RIDE_UPSTREAM
+        self.mode = RIDE_ACK if carrier.pipelines(cache) else RIDE_UPSTREAM
         if self.mode == RIDE_UPSTREAM and not self.agreed and self.eligible(cache).pipelined:
             try:
                 self.first_exchange(cache)
@@ -204,17 +170,14 @@ class PrefetchVoteState(FeatureState):
                 raise
 
     def end_pass(self, cache: Any) -> None:
-        """After check_hicache_events: an interval no section carried is dropped
-        (the next walk reaches its requests again, on the path the cache is then)."""
+        """After check_hicache_events: drop an interval no section carried."""
         if self.closed_at != self.passes:
             self.no_section(cache)
         self.announce(self.decide(cache))
 
-    # ------------------------------------------------------------- the walk
     def reach(self, cache: Any, original: Callable[..., Any], operation: Any) -> bool:
-        """_can_terminate_prefetch: while a stop is applied, yes for that
-        operation; in a held walk, note the reach (this rank's vote: PP0's
-        deadline predicate, as upstream reduces it) and answer "not yet"."""
+        """_can_terminate_prefetch: while a stop is applied, yes for that operation; in a
+        held walk, note the reach and this rank's vote and answer "not yet"."""
         applying = self.landing.applying
         if applying is not None:
             return applying is operation
@@ -233,17 +196,16 @@ class PrefetchVoteState(FeatureState):
             extend = int(getattr(req, "extend_end", prefix_len) or prefix_len) - int(prefix_len)
             self.book.admit(operation_key(req.cache_request_handle), prefix_len, extend)
 
-    # ------------------------------------------------------ the rider's part
     def local_flags(self, cache: Any) -> int:
-        return int(self.rides(cache)) << VOTES_FLAG | int(self.enabled) << SETTING_FLAG
+        return int(self.rides(cache)) << VOTES_FLAG | int(self.enabled) << VOTES_SETTING_FLAG
 
-    def take(self, cache: Any, token: object, reduced: Sequence[int]) -> None:
-        """A section came back reduced (riding the ack sync's reduce)."""
-        self.land(cache, token, reduced, carrier(cache).exchange)
+    def take(self, cache: Any, token: object, reduced: Sequence[int], carrier: Carrier) -> None:
+        """A section came back reduced (riding the ack counts' reduce)."""
+        self.land(cache, token, reduced, carrier.exchange)
 
-    def land(self, cache: Any, token: object, reduced: Sequence[int], exchange: Any) -> None:
-        """Check the agreement, then make the interval's stops here, before this
-        boundary's pops; ``exchange`` runs the overflow exchanges past the slots."""
+    def land(self, cache: Any, token: object, reduced: Sequence[int], exchange: Exchange) -> None:
+        """Check the agreement and make the stops, before this boundary's pops
+        (``exchange``: the overflow exchanges)."""
         assert isinstance(token, Ballot)
         try:
             verdicts = self.book.read(token, reduced, exchange)
@@ -253,9 +215,6 @@ class PrefetchVoteState(FeatureState):
         stopped = self.landing.apply(cache, verdicts)
         if self.metrics is not None and stopped:
             self.metrics.on_stop(stopped)
-
-    def after_pops(self, cache: Any) -> None:
-        """Nothing: every decision lands before the pops."""
 
     def section(self, cache: Any) -> tuple[list[int], object]:
         """Close this interval into the section the next reduce carries."""
@@ -272,12 +231,12 @@ class PrefetchVoteState(FeatureState):
         if past and not self.said_overflow:
             self.said_overflow = True
             logger.warning(
-                "HiCache prefetch votes: the waiting-queue walk of scheduling pass %s reached "
+                "%s: the waiting-queue walk of scheduling pass %s reached "
                 "%d requests with an ongoing storage prefetch; the %d past the section's %d "
                 "slots are voted in overflow exchanges where the section is read back (one "
                 "blocking reduce per %d of them; counted in "
                 "sglang:hicache_prefetch_votes_fallback_reaches_total; said once per cache)",
-                ballot.label, reaches, past, VOTE_SLOTS, VOTE_SLOTS,
+                self.sync.title, ballot.label, reaches, past, VOTE_SLOTS, VOTE_SLOTS,
             )  # fmt: skip
         if self.metrics is not None:
             self.metrics.on_pass(None, time.perf_counter() - t0, reaches, past)
@@ -294,15 +253,10 @@ class PrefetchVoteState(FeatureState):
         walk = self.book.walks
         return self.interval_label or f"#{walk} (this cache's check_hicache_events #{walk})"
 
-    # -------------------------------------------------- upstream's carrier
     def first_exchange(self, cache: Any) -> None:
-        """The votes' own first exchange (upstream's carrier), once, before
-        anything the blocking path would not run: one blocking reduce through
-        the cache's own ``_all_reduce`` in upstream's ack-count shape (``[on,
-        -on, 0, ...]`` where upstream sends counts, ``[x, -x]`` with the votes'
-        stamp where it sends its digest). A peer on SGLang's path pairs it with
-        its own ack-count reduce, fails upstream's digest check there, and every
-        plugin rank names it; a peer with the votes off is named too."""
+        """The votes' own first exchange (upstream's carrier), once: a blocking reduce in
+        upstream's ack-count shape (``[on, -on, 0, ...]``, then the stamp where upstream
+        sends its digest), so a stock peer or one with the votes off is named."""
         on = int(self.enabled)
         x = pack_stamp(VOTES_PROTOCOL, False, 1, VOTE_SLOTS, 0)
         values = [on, -on] + [0] * (upstream_count_slots(cache) - 2) + [x, -x]
@@ -310,7 +264,7 @@ class PrefetchVoteState(FeatureState):
             reduced = self.collectives.blocking_min(cache)(values)
         except Exception as exc:
             raise PrefetchVoteError(
-                f"HiCache prefetch votes: the first exchange failed ({exc}); a peer rank "
+                f"{self.sync.title}: the first exchange failed ({exc}); a peer rank "
                 "may have died or run another configuration"
             ) from exc
         lo_x, hi_x = reduced[-2], -reduced[-1]
@@ -319,21 +273,21 @@ class PrefetchVoteState(FeatureState):
                 Stamp.unpack(x), Stamp.unpack(lo_x), Stamp.unpack(hi_x), MISMATCH_HINTS
             )
             raise PrefetchVoteMismatch(
-                f"HiCache prefetch votes: ranks disagree on the first exchange: {why} "
+                f"{self.sync.title}: ranks disagree on the first exchange: {why} "
                 "Stopping before any vote."
             )
         lo_on, hi_on = reduced[0], -reduced[1]
         if lo_on != hi_on:
             raise PrefetchVoteMismatch(
-                f"HiCache prefetch votes: {PREFETCH_VOTES_VAR} differs across the TP group: "
+                f"{self.sync.title}: {PREFETCH_VOTES_VAR} differs across the TP group: "
                 f"this rank {on}, group min {lo_on}, max {hi_on}. Set it identically on "
                 "every node. Stopping before any vote."
             )
         self.agreed = True
 
     def ride_upstream(self, cache: Any, original: Callable[..., Any]) -> Any:
-        """_sync_hicache_ready_counts with upstream's carrier: the section rides
-        its blocking reduce, and the interval's stops land before upstream pops."""
+        """_sync_hicache_ready_counts with upstream's carrier: the section rides its
+        blocking reduce; the stops land before upstream pops."""
         if (
             self.mode != RIDE_UPSTREAM
             or not self.agreed
@@ -354,12 +308,9 @@ class PrefetchVoteState(FeatureState):
 def ride_ready_counts(
     cache: Any, original: Callable[..., Any], values: Sequence[int]
 ) -> tuple[Any, list[int]]:
-    """Run ``original`` (``_sync_hicache_ready_counts``) with ``values`` riding
-    its reduce: for the length of that call ``_all_reduce`` is shadowed on the
-    instance, and its first MIN of a 1-D int64 tensor (the ready counts: the
-    only reduce that method runs at pp_size 1) is reduced with ``values``
-    appended; upstream gets its own values back in place. Returns its result
-    and the reduced ``values``."""
+    """Run ``original`` (``_sync_hicache_ready_counts``) with ``_all_reduce`` shadowed on
+    the instance so its first 1-D int64 reduce carries ``values`` too; returns its
+    result and the reduced ``values``."""
     import torch
 
     inst = cache.__dict__
@@ -388,7 +339,7 @@ def ride_ready_counts(
             inst.pop(ALL_REDUCE, None)
     if not reduced:
         raise PrefetchVoteError(
-            "HiCache prefetch votes: upstream's _sync_hicache_ready_counts ran no reduce "
+            f"{PREFETCH_VOTES.title}: upstream's _sync_hicache_ready_counts ran no reduce "
             "the votes could ride (this SGLang does not do what they were written for); "
             "stopping before any verdict"
         )
@@ -396,26 +347,30 @@ def ride_ready_counts(
 
 
 def build(cache: Any) -> PrefetchVoteState:
-    """The cache's vote state (the setting read now), joined to the ack sync's
-    state as a rider."""
-    problem = unhooked(type(cache), HOOKED, VOTES) or admission_hooks_missing()
+    """The cache's vote state (setting read now), a rider of the ack counts' state."""
+    problem = unhooked(type(cache), FEATURE.hooked_on(CACHE_CLASS), VOTES)
+    problem = problem or admission_hooks_missing()
     blocker = blocking(problem, "hooks_missing") if problem else None
-    cls = environment().state_class(VOTES, PrefetchVoteState)
-    state = cls(cache, prefetch_votes_enabled(), feature_release(VOTES), blocker)
+    cls = state_class(PREFETCH_VOTES, PrefetchVoteState)
+    state = cls(cache, prefetch_votes_enabled(), feature_release(VOTES), blocker, environment())
     carrier(cache).add_rider(state)
     return state
 
 
-def carrier(cache: Any) -> Any:
-    """The ack sync's state: it carries the votes where it pipelines."""
-    return ack_sync.FEATURE.ensure(cache)
+def carrier(cache: Any) -> ack_counts.AckCountsState:
+    """The ack counts' state: it carries the votes where it pipelines."""
+    return ack_counts.FEATURE.ensure(cache)
 
 
-FEATURE = Feature(VOTES, "_hicache_prefetch_votes_state", build, after=(ACK,))
+FEATURE = Feature(PREFETCH_VOTES, build, after=(ACK,))
 
 
 def state_of(cache: Any) -> Optional[PrefetchVoteState]:
     return FEATURE.state_of(cache) if cache is not None else None
+
+
+def admission_hooked() -> tuple[str, ...]:
+    return FEATURE.hooked_on(ADDER_CLASS)
 
 
 def admission_hooks_missing() -> Optional[str]:
@@ -424,4 +379,4 @@ def admission_hooks_missing() -> Optional[str]:
         from sglang.srt.managers.schedule_policy import PrefillAdder
     except Exception as exc:  # no scheduler module: nothing admits here
         return f"sglang.srt.managers.schedule_policy cannot be imported ({exc!r})"
-    return unhooked(PrefillAdder, ADMISSION_HOOKED, VOTES)
+    return unhooked(PrefillAdder, admission_hooked(), VOTES)

@@ -1,64 +1,34 @@
-"""The prefetch votes' hooks, each with its notes (target, why, how, what makes
-it stand down): on SGLang's UnifiedRadixCache (the pass boundary, the walk's
-answer, the carrier's reduce, the pins' releases) and on the scheduler's side
-(what the batch admits, how the scheduler numbers the pass). Each hands the
-call to the cache's :class:`~.prefetch_votes.PrefetchVoteState`."""
+"""The prefetch votes' hooks, each with its notes, on UnifiedRadixCache and the
+scheduler's side; each hands the call to :class:`~.prefetch_votes.PrefetchVoteState`."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 from ..guard import CACHE_CLASS
-from . import ack_sync
+from ..kit.hooks import Fn
 from .prefetch_votes import ADDER_CLASS, FEATURE, SCHEDULER_CLASS, carrier, state_of
 
-
-def metrics_for(cache: Any) -> Any:
-    """The votes' metrics, labelled and created as the ack sync's (the cache's
-    collector classes); None (logged) if they cannot be made."""
-    from ..metrics import PrefetchVoteMetrics, never_raising
-
-    collector = getattr(cache, "metrics_collector", None)
-    labels = getattr(collector, "labels", None) or {"cache_type": type(cache).__name__}
-    return never_raising(
-        lambda: PrefetchVoteMetrics(labels, collector), "HiCache prefetch votes", labels
-    )
-
-
-def forward_label(forward_ct: int) -> str:
-    """The walk after a boundary builds the batch of the scheduler's next forward."""
-    return f"of forward {forward_ct + 1} (the scheduler's forward_ct, batch.forward_iter)"
-
-
-# ------------------------------------------------------------------------ hooks
 # Target: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.
-# Upstream: sglang #33029 (prefetch progress computed once per pass) is the open
-# fix for the per-request collective; #30760 the loop skew the admission check
-# names. Removable when upstream decides deadlines without a collective per
-# request the walk reaches.
+# Upstream PR: sglang #33029 (prefetch progress once per pass); #30760: the loop skew.
+# Removal: when upstream decides deadlines without a collective per request reached.
 
 
 @FEATURE.hook(CACHE_CLASS, "init_hicache", "AFTER")
 def after_init_hicache(result: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
     """init_hicache, AFTER (after the ack sync's: its state is the carrier).
     Why: the per-cache vote state (and its metrics) needs what init builds.
-    How: builds it and joins the ack sync's reduce as a rider; the path is
-    decided and logged at the first pass.
+    How: builds it as a rider of the ack sync's reduce; path logged at the first pass.
     Stands down: never fails init."""
-    state = FEATURE.attach(cache)
-    if ack_sync.metrics_wanted(args, kwargs):
-        state.metrics = metrics_for(cache)
+    FEATURE.attach(cache, args, **kwargs)
     return result
 
 
 @FEATURE.hook(CACHE_CLASS, "check_hicache_events", "BEFORE")
 def before_check_hicache_events(cache: Any, *args: Any, **kwargs: Any) -> None:
     """check_hicache_events, BEFORE (outside the ack sync's AROUND).
-    Why: the pass boundary starts here; with upstream's carrier the votes need
-    their own first exchange, paired with what a peer on SGLang's path runs
-    first in a pass (its blocking ack-count reduce, inside this method).
-    How: releases the last pass's pins; picks the carrier; once, the votes'
-    first exchange.
+    Why: the pass boundary; upstream's carrier needs the votes' own first exchange.
+    How: releases the last pass's pins; picks the carrier; once, that first exchange.
     Stands down: not eligible, or the ack sync carries them (its exchange agrees)."""
     FEATURE.ensure(cache).begin_pass(cache, carrier(cache))
 
@@ -68,21 +38,15 @@ def after_check_hicache_events(result: Any, cache: Any, *args: Any, **kwargs: An
     """check_hicache_events, AFTER.
     Why: the scheduler runs it once per pass, before its walk: the boundary.
     How: an interval no section carried is dropped; logs the path on a change.
-    Stands down: no storage backend, a policy the votes do not hold, PP, world
-    size 1, a linker, the setting off, or a release the guard has no votes
-    for: upstream's per-request path runs."""
+    Stands down: no storage, policy, PP, world size 1, linker, setting off, guard."""
     FEATURE.ensure(cache).end_pass(cache)
     return result
 
 
 @FEATURE.hook(CACHE_CLASS, "_sync_hicache_ready_counts", "AROUND")
-def around_sync_hicache_ready_counts(
-    original: Callable[..., Any], cache: Any, *args: Any, **kwargs: Any
-) -> Any:
-    """_sync_hicache_ready_counts, AROUND (nested outside the ack sync's: one
-    registered hook, kit.hooks).
-    Why: with the ack sync on upstream's blocking path (buffer_only) its reduce
-    is the one collective the pass already runs.
+def around_sync_hicache_ready_counts(original: Fn, cache: Any, *args: Any, **kwargs: Any) -> Any:
+    """_sync_hicache_ready_counts, AROUND (nested outside the ack sync's, kit.hooks).
+    Why: with the ack sync blocking (buffer_only) its reduce is the pass's collective.
     How: the votes' section rides that reduce, its stops made before upstream pops.
     Stands down: whenever the ack sync carries the votes or they are off."""
     state = state_of(cache)
@@ -92,32 +56,24 @@ def around_sync_hicache_ready_counts(
 
 
 @FEATURE.hook(CACHE_CLASS, "_can_terminate_prefetch", "AROUND")
-def around_can_terminate_prefetch(
-    original: Callable[..., Any], cache: Any, operation: Any, *args: Any, **kwargs: Any
-) -> Any:
+def around_can_terminate_prefetch(original: Fn, cache: Any, op: Any, *a: Any, **k: Any) -> Any:
     """_can_terminate_prefetch, AROUND.
-    Why: stock ends a prefetch here, in the walk (timeout: after one blocking
-    MAX all_reduce per request reached).
-    How: in a held walk notes the reach and this rank's vote and answers no
-    (no collective); where the section is read back, yes for the operation a
-    verdict stops.
+    Why: stock ends a prefetch here (timeout: one blocking MAX per request reached).
+    How: in a held walk notes the reach and vote, answers no; yes for a verdict's stop.
     Stands down: calls the original outside a held walk or policy."""
     state = state_of(cache)
     if state is None:
-        return original(cache, operation, *args, **kwargs)
-    return state.reach(cache, original, operation)
+        return original(cache, op, *a, **k)
+    return state.reach(cache, original, op)
 
 
 @FEATURE.hook(CACHE_CLASS, "release_aborted_request", "BEFORE")
 def before_release_aborted_request(cache: Any, request: Any, *args: Any, **kwargs: Any) -> None:
     """release_aborted_request, BEFORE.
-    Why: an abort needs no verdict: stock releases the request's prefetch at
-    once, so does upstream's method right after this.
+    Why: an abort needs no verdict: upstream releases the prefetch right after this.
     How: drops the host lock a stop put on the pages it inserted.
     Stands down: never holds anything."""
-    state = state_of(cache)
-    if state is not None:
-        state.landing.pins.release(cache, request, "abort")
+    unpin(cache, request, "abort")
 
 
 @FEATURE.hook(CACHE_CLASS, "finish_storage_prefetch_admission", "AFTER")
@@ -126,21 +82,23 @@ def after_finish_storage_prefetch_admission(
 ) -> Any:
     """finish_storage_prefetch_admission, AFTER.
     Why: the scheduler calls it for every request it admits to the batch.
-    How: drops the host lock a stop put on the pages it inserted (the
-    admission's load-back holds them from here, as in stock).
+    How: drops the host lock a stop put on its pages (the load-back holds them now).
     Stands down: never holds anything."""
+    unpin(cache, request, "admission")
+    return result
+
+
+def unpin(cache: Any, request: Any, why: str) -> None:
     state = state_of(cache)
     if state is not None:
-        state.landing.pins.release(cache, request, "admission")
-    return result
+        state.landing.pins.release(cache, request, why)
 
 
 @FEATURE.hook(CACHE_CLASS, "reset", "AFTER")
 def after_reset(result: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
     """reset, AFTER (flush_cache).
     Why: the tree and every prefetch are gone; so are the pins' nodes.
-    How: forgets the pins (verdicts find operations by identity: none applies
-    to what reset dropped).
+    How: forgets the pins (verdicts find operations by identity).
     Stands down: never holds anything."""
     state = state_of(cache)
     if state is not None:
@@ -148,8 +106,7 @@ def after_reset(result: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
     return result
 
 
-# Target: the scheduler's side (what the batch admits, how the scheduler numbers
-# the pass), for the admission check (SGLang #30760) and the messages.
+# Target: the scheduler's side (admissions, pass numbers): the admission check (#30760).
 
 
 @FEATURE.hook(ADDER_CLASS, "_account_prefill_cache_admission", "AFTER")
@@ -169,8 +126,7 @@ def after_account_prefill_cache_admission(
 @FEATURE.hook(ADDER_CLASS, "add_chunked_req", "AFTER")
 def after_add_chunked_req(result: Any, adder: Any, req: Any, *a: Any, **kw: Any) -> Any:
     """PrefillAdder.add_chunked_req, AFTER.
-    Why: a chunked request's next chunk joins the batch here, without the
-    admission accounting.
+    Why: a chunked request's next chunk joins the batch here, without the accounting.
     How: notes it as above when it joined (it is the adder's last request).
     Stands down: outside a held interval, or when the chunk did not fit."""
     admitted = getattr(adder, "can_run_list", None) or ()
@@ -189,4 +145,9 @@ def before_process_hicache_events(scheduler: Any, *a: Any, **kw: Any) -> None:
     state = state_of(getattr(scheduler, "tree_cache", None))
     if state is not None:
         ct = getattr(scheduler, "forward_ct", None)
-        state.label = None if ct is None else forward_label(int(ct))
+        # the walk after a boundary builds the batch of the scheduler's next forward
+        state.label = (
+            None
+            if ct is None
+            else f"of forward {int(ct) + 1} (the scheduler's forward_ct, batch.forward_iter)"
+        )

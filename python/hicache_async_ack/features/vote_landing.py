@@ -1,22 +1,13 @@
-"""Where the prefetch votes' verdicts land on SGLang's UnifiedRadixCache: right
-after a section is read back, before that boundary's pops, in walk order.
+"""Where the prefetch votes' verdicts land: right after a section is read back, before
+that boundary's pops, in walk order (docs/design.md).
 
-That point holds the agreed state stock's walk saw when it made these
-decisions: the pops since the walk are those stock did before its walk (the
-ack counts' reduce of pass p is popped at pass p + depth), and the pops of
-this boundary, which stock did after its walk, have not run yet
-(docs/design.md). So a stop runs through upstream's own code there:
-``check_prefetch_progress`` with ``_can_terminate_prefetch`` answering yes for
-that operation (:attr:`Landing.applying`); under ``timeout`` only where
-``_prefetch_deadline_expired``'s KV-landed exemption does not hold on that
-state, judged with the group's verdict in place of this rank's clock.
-
-Stock admits a stopped request in the same walk visit, so no pop runs between
-its stop and its admission; here this boundary's pops run in between. The
-node a stop inserts is therefore host-locked (:class:`Pins`) for one pass: to
-the request's admission or abort, and at the latest to the next pass boundary,
-so a request the walk does not admit (a full batch, a refusal, a PD decode
-request loaded back by the transfer queue) holds nothing longer.
+That point holds the agreed state stock's walk saw, so a stop runs through upstream's
+own ``check_prefetch_progress`` with ``_can_terminate_prefetch`` answering yes for that
+operation (:attr:`Landing.applying`); under ``timeout`` only where the deadline
+predicate's KV-landed exemption does not hold, judged with the group's verdict. Stock
+admits a stopped request in the same walk visit; here this boundary's pops run in
+between, so the node a stop inserts is host-locked (:class:`Pins`) until the request's
+admission or abort, or at the latest the next pass boundary.
 """
 
 from __future__ import annotations
@@ -25,7 +16,7 @@ import logging
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
-from ..names import LOGGER_NAME
+from ..names import LOGGER_NAME, PREFETCH_VOTES
 from ..protocol.votes import Verdicts
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -69,16 +60,16 @@ class Pins:
         if not self.said and cache.cache_controller is not None:
             self.said = True
             logger.warning(
-                "HiCache prefetch votes: %s.insert_host cannot be watched: the pages a stop "
+                "%s: %s.insert_host cannot be watched: the pages a stop "
                 "inserts are not host-locked until the walk that follows (they can be "
                 "evicted by that boundary's pops, where stock admits at once)",
+                PREFETCH_VOTES.title,
                 type(cache.tree_core).__name__,
             )
 
 
 class Landing:
-    """Applies one interval's verdicts; owns the operation a stop is being
-    applied to (what ``_can_terminate_prefetch`` answers meanwhile) and the pins."""
+    """Applies one interval's verdicts; owns the pins and the operation being stopped."""
 
     pins_class: type[Pins] = Pins
 
@@ -97,8 +88,7 @@ class Landing:
         return stopped
 
     def stop(self, cache: Any, op: Any) -> bool:
-        """End ``op`` as stock's walk ended it, if it is still its request's
-        operation (one that completed or was aborted since is left alone)."""
+        """End ``op`` as stock's walk did, if still its request's live operation."""
         info = cache.ongoing_prefetch.get(op.handle)
         if info is None or info.operation is not op or op.is_terminated():
             return False
@@ -118,8 +108,8 @@ class Landing:
         return True
 
     def kv_landed(self, cache: Any, op: Any) -> bool:
-        """Whether upstream's deadline predicate exempts ``op`` on this state: asked
-        with the group's verdict (the deadline passed) in place of this rank's clock."""
+        """Whether upstream's deadline predicate exempts ``op``, asked with the group's
+        verdict (deadline passed) in place of this rank's clock."""
         wait = cache._storage_prefetch_wait.get(op.handle)
         if wait is None:
             return True  # never polled here: no deadline of this rank to judge
@@ -133,8 +123,7 @@ class Landing:
 
 @contextmanager
 def captured_insert(cache: Any) -> Iterator[Optional[list[Any]]]:
-    """The host nodes ``tree_core.insert_host`` creates while the block runs
-    (None: a tree core whose insert cannot be watched)."""
+    """The host nodes ``tree_core.insert_host`` creates in the block (None: unwatchable)."""
     tree = cache.tree_core
     found: list[Any] = []
     inst = getattr(tree, "__dict__", None)

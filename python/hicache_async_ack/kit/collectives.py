@@ -1,49 +1,45 @@
-"""The collectives the features run, handed to each state when it is built:
-an async MIN all_reduce (the pipelined reduces), upstream's own blocking reduce
-through the cache (first exchanges) and the decode offload agreement's int32
-MIN. Tests, the bench and cpu-server's latency model install theirs here.
+"""The collectives the syncs run, torch's by default (an environment may hand in others);
 torch is imported only inside the functions that need it."""
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 from ..names import ACK_QUEUES, EXTRA_POOL_QUEUES, STORAGE_QUEUES
-from ..protocol.stamp import DEPTH_LIMIT
+from ..protocol.stamp import DEPTH_LIMIT, Handle
+
+AsyncMin = Callable[[list[int]], Handle]  # values -> a handle on the reduce in flight
+BlockingMin = Callable[[list[int]], list[int]]
 
 
 class TorchHandle:
     __slots__ = ("work", "tensor")
 
-    def __init__(self, work, tensor):
+    def __init__(self, work: Any, tensor: Any) -> None:
         self.work = work
         self.tensor = tensor
 
     def wait(self) -> list[int]:
         self.work.wait()
-        return self.tensor.tolist()
+        return [int(v) for v in self.tensor.tolist()]
 
     def is_completed(self) -> bool:
-        return self.work.is_completed()
+        return bool(self.work.is_completed())
 
 
-def torch_min_all_reduce(group) -> Callable[[list[int]], Any]:
-    """An async MIN all_reduce over ``group``, through the public
-    ``torch.distributed.all_reduce(..., async_op=True)`` as upstream's blocking
-    one goes: whatever wraps or patches it (tracing, fault injection, tests)
-    sees our collective too (calling the ProcessGroup directly saves ~0.04 ms a
-    step, docs/bench.md: not worth a collective tracing cannot see). Tensors
-    are preallocated and reused round-robin, DEPTH_LIMIT + 1 per layout, so one
-    is never refilled while a reduce on it can be in flight."""
+def torch_min_all_reduce(group: Any) -> AsyncMin:
+    """An async MIN all_reduce over ``group`` through the public ``dist.all_reduce`` (what
+    wraps it sees ours too); DEPTH_LIMIT + 1 tensors per layout reused round-robin, so
+    none is refilled while a reduce on it can be in flight."""
     import torch
     import torch.distributed as dist
 
     op = dist.ReduceOp.MIN
     rings: dict[int, Any] = {}  # layout length -> cycle of (tensor, numpy view)
 
-    def issue(values: list[int]) -> TorchHandle:
+    def issue(values: list[int]) -> Handle:
         ring = rings.get(len(values))
         if ring is None:
             tensors = [torch.zeros(len(values), dtype=torch.int64) for _ in range(DEPTH_LIMIT + 1)]
@@ -55,9 +51,8 @@ def torch_min_all_reduce(group) -> Callable[[list[int]], Any]:
     return issue
 
 
-def torch_int32_min(group, values: list[int]) -> list[int]:
-    """A blocking MIN all_reduce of an int32 tensor over one group: the decode
-    offload sync's upstream layout and dtype."""
+def torch_int32_min(group: Any, values: list[int]) -> list[int]:
+    """A blocking int32 MIN all_reduce over one group (the decode offload's layout)."""
     import torch
     import torch.distributed as dist
 
@@ -66,19 +61,16 @@ def torch_int32_min(group, values: list[int]) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
-def upstream_count_slots(cache) -> int:
-    """How many counts precede ``[digest, -digest]`` in upstream's ack-count
-    reduce: the two ack queues, with storage the four control queues plus one
-    per extra host pool (a first exchange must match its length)."""
+def upstream_count_slots(cache: Any) -> int:
+    """How many counts precede ``[digest, -digest]`` in upstream's ack-count reduce."""
     if not cache.enable_storage:
         return len(ACK_QUEUES)
     cc = cache.cache_controller
     return len(ACK_QUEUES) + len(STORAGE_QUEUES) + len(getattr(cc, EXTRA_POOL_QUEUES, None) or {})
 
 
-def upstream_reduce(cache) -> Callable[[list[int]], list[int]]:
-    """A blocking MIN-reduce through the cache's own ``_all_reduce``: upstream's
-    shape on upstream's groups (attn CP then attn TP, as its ready-count sync)."""
+def upstream_reduce(cache: Any) -> BlockingMin:
+    """A blocking MIN-reduce through the cache's own ``_all_reduce`` (upstream's groups)."""
     import torch
 
     def reduce(values: list[int]) -> list[int]:
@@ -89,44 +81,56 @@ def upstream_reduce(cache) -> Callable[[list[int]], list[int]]:
     return reduce
 
 
+def torch_world_size(group: Any) -> int:
+    import torch.distributed as dist
+
+    return int(dist.get_world_size(group=group))
+
+
+def torch_rank(group: Any) -> int:
+    import torch.distributed as dist
+
+    return int(dist.get_rank(group=group))
+
+
+def spanning_group(cache: Any, cp_group: Any, attn_tp_group: Any) -> Optional[Any]:
+    """The existing group over which one MIN equals upstream's MIN over CP then attn TP,
+    or None: the TP group G qualifies iff the union of CP(t) for t in TP(r) is G for
+    every r in G. Gathers every member's ranks once over G (after the first exchange,
+    so every rank runs it); every member reaches the same verdict. No group is created."""
+    import torch.distributed as dist
+
+    tp = cache.tp_group
+    if tp is None or cache.tp_world_size <= 1:
+        return None
+    mine = (
+        dist.get_rank(),
+        sorted(dist.get_process_group_ranks(cp_group)),
+        sorted(dist.get_process_group_ranks(attn_tp_group)),
+    )
+    gathered: list[Any] = [None] * cache.tp_world_size
+    dist.all_gather_object(gathered, mine, group=tp)
+    members = set(dist.get_process_group_ranks(tp))
+    cp_of = {rank: set(cp) for rank, cp, _ in gathered}
+    for _, _, tp_ranks in gathered:
+        if not set(tp_ranks) <= cp_of.keys():
+            return None
+        if set().union(*(cp_of[t] for t in tp_ranks)) != members:
+            return None
+    return tp
+
+
 @dataclass(frozen=True)
 class Collectives:
-    """The collectives the features run, handed to each state when it is built.
+    """The collectives the syncs run: ``async_min(group)``, ``blocking_min(cache)`` (first
+    exchanges), ``int32_min`` (decode offload), ``world_size``, ``rank``, ``span``."""
 
-    ``async_min(group)``: values -> handle, an async MIN all_reduce (int64);
-    ``blocking_min(cache)``: values -> reduced, upstream's own ``_all_reduce``
-    on the cache (the first exchange); ``int32_min(group, values)``: a blocking
-    int32 MIN (the decode offload agreement, in upstream's layout)."""
-
-    async_min: Callable[[Any], Callable[[list[int]], Any]] = torch_min_all_reduce
-    blocking_min: Callable[[Any], Callable[[list[int]], list[int]]] = upstream_reduce
+    async_min: Callable[[Any], AsyncMin] = torch_min_all_reduce
+    blocking_min: Callable[[Any], BlockingMin] = upstream_reduce
     int32_min: Callable[[Any, list[int]], list[int]] = torch_int32_min
+    world_size: Callable[[Any], int] = torch_world_size
+    rank: Callable[[Any], int] = torch_rank
+    span: Callable[[Any, Any, Any], Optional[Any]] = spanning_group
 
 
-@dataclass
-class Installed:
-    current: Collectives = field(default_factory=Collectives)
-
-
-INSTALLED = Installed()  # public: tests install theirs (monkeypatch) through it
-
-
-def collectives() -> Collectives:
-    """The collectives states built now are handed."""
-    return INSTALLED.current
-
-
-def use_collectives(new: Collectives) -> Collectives:
-    """Install the collectives states built from now on are handed (tests, the
-    bench, cpu-server's latency model); returns the previous ones."""
-    old, INSTALLED.current = INSTALLED.current, new
-    return old
-
-
-def use_async_min(wrap: Callable[[Callable], Callable]) -> Collectives:
-    """Install ``wrap(current async_min factory)`` as the async MIN factory
-    (a latency model, another group); returns the previous collectives."""
-    from dataclasses import replace
-
-    current = collectives()
-    return use_collectives(replace(current, async_min=wrap(current.async_min)))
+__all__ = ["Collectives", "TorchHandle", "upstream_count_slots"]

@@ -4,9 +4,9 @@ reason code (for machines: the path info series, doctor)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Literal, Optional
 
-REASON_CODES = (
+ReasonCode = Literal[
     "pipelined",
     "disabled_by_env",  # SGLANG_ENABLE_HICACHE_ASYNC_ACK_SYNC=0
     "feature_disabled_by_env",  # the feature's own setting is off
@@ -23,35 +23,33 @@ REASON_CODES = (
     "host_memory_mode",
     "pp",
     "no_storage",
+    "policy",  # a prefetch stop policy the votes do not know
     "policy_not_timeout",
     "agreeing",  # the group has not yet agreed on the setting
     "draining",  # inside drain_before_retraction
-)
+]
 
 
 @dataclass(frozen=True)
 class Decision:
-    """A path decision: pipelined or not, why (for operators) and ``code`` (one
-    of :data:`REASON_CODES`, for machines)."""
+    """A path decision: pipelined or not, why (for operators) and ``code`` (for
+    machines). ``group`` and ``world_size``: the group a pipelined reduce runs
+    over; ``span``: attention CP x TP, the (CP, attn TP) groups whose union the
+    first step checks against ``group`` (after the first exchange)."""
 
     pipelined: bool
     reason: str
-    code: str = "pipelined"
+    code: ReasonCode = "pipelined"
     group: Any = None
     world_size: int = 1
-    # attention CP x TP: the (CP, attn TP) groups whose union the first step
-    # checks against ``group`` (spanning_group), after the first exchange
     span: Optional[tuple[Any, Any]] = None
 
-    def __post_init__(self):
-        assert self.code in REASON_CODES, self.code
 
-
-def blocking(reason: str, code: str) -> Decision:
+def blocking(reason: str, code: ReasonCode) -> Decision:
     return Decision(False, reason, code)
 
 
-def missing_attrs(obj, names) -> Optional[Decision]:
+def missing_attrs(obj: Any, names: Iterable[str]) -> Optional[Decision]:
     missing = [a for a in names if not hasattr(obj, a)]
     if missing:
         return blocking(f"this SGLang's cache lacks {', '.join(missing)}", "missing_attrs")

@@ -1,42 +1,59 @@
-"""What the plugin's states are handed when they are built: a sink for the
-events a test or a bench watches, and the state classes to build (a test's
-negative control is a subclass of the plugin's, handed in). One instance is in
-force per process; :func:`hicache_async_ack.sglang_plugin.register` installs
-the one it is given (SGLang's loader gives none: the default), as httpx takes
-``transport=``: collaborators are passed in, never patched."""
+"""What every state is handed when built: the plugin's collaborators, passed in (as httpx
+takes ``transport=``), never patched; one in force per process, installed by
+``register(env)``. ``collectives``; ``clock`` (seconds); ``judged``: the guard's verdict
+(None: judged once from the installed SGLang against ``table``); ``metrics``: a metrics
+factory (None: SGLang's pipeline); ``events``: a sink for the votes' events;
+``substitutes``: per sync, a subclass of its state class (a negative control).
+"""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Optional, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Protocol, TypeVar
 
-# What the prefetch votes report to a sink: a reach noted in a walk, the group's
-# verdict on it where its section is read back, a stop applied, a pin taken or
-# released, overflow exchanges run, a section closed.
-EventKind = Literal["reach", "verdict", "stop", "pin", "unpin", "overflow", "section"]
+from .collectives import Collectives
+
+if TYPE_CHECKING:
+    from ..guard import Judged
+
+# What the prefetch votes report to a sink (reach, verdict, stop, pin, unpin, section).
+EventKind = Literal["reach", "verdict", "stop", "pin", "unpin", "section"]
+S = TypeVar("S")
 
 
 class EventSink(Protocol):
     def __call__(self, kind: EventKind, /, **fields: object) -> None: ...
 
 
+MetricsFactory = Callable[[str, Mapping[str, Any], Any], Any]  # (key, labels, collector)
+
+
 @dataclass(frozen=True)
 class Environment:
     """The collaborators every state built from now on is handed."""
 
+    collectives: Collectives = field(default_factory=Collectives)
+    clock: Callable[[], float] = time.perf_counter
+    judged: Optional["Judged"] = None
+    table: Optional[Path] = None
+    metrics: Optional[MetricsFactory] = None
     events: Optional[EventSink] = None
-    # sync name -> the state class built for it (a subclass of the plugin's own)
     substitutes: Mapping[str, type] = field(default_factory=dict)
 
-    def state_class(self, sync: str, default: type) -> Any:
+    def state_class(self, sync: str, default: type[S]) -> type[S]:
+        """The class to build ``sync``'s state with (a substitute must extend the default)."""
         cls = self.substitutes.get(sync, default)
-        assert issubclass(cls, default), f"{cls} does not extend {default}"
+        if not issubclass(cls, default):
+            raise TypeError(f"substitute for {sync}: {cls} does not extend {default}")
         return cls
 
 
 @dataclass
 class Installed:
     current: Environment = field(default_factory=Environment)
+    judged: Optional["Judged"] = None  # judged lazily where the environment has none
 
 
 INSTALLED = Installed()
@@ -50,7 +67,24 @@ def environment() -> Environment:
 def use_environment(new: Environment) -> Environment:
     """Install ``new`` for the states built from now on; returns the previous one."""
     old, INSTALLED.current = INSTALLED.current, new
+    INSTALLED.judged = None
     return old
 
 
-__all__ = ["Environment", "EventKind", "EventSink", "environment", "use_environment"]
+def judged() -> "Judged":
+    """The guard's verdict in force: the environment's, or the installed SGLang's, judged
+    once (a broken table: every feature stands down)."""
+    from ..guard import Judged, check_installed
+
+    env = INSTALLED.current
+    if env.judged is not None:
+        return env.judged
+    if INSTALLED.judged is None:
+        try:
+            INSTALLED.judged = Judged(check_installed(env.table))
+        except Exception:  # noqa: BLE001 (a broken table: nothing runs)
+            INSTALLED.judged = Judged(None)
+    return INSTALLED.judged
+
+
+__all__ = ["Environment", "EventKind", "EventSink", "environment", "judged", "use_environment"]

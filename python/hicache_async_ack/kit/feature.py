@@ -1,80 +1,87 @@
-"""The one protocol every sync (feature) follows, and what the kit does for
-all of them once: state lookup and attach, the path announcement (log line,
-``pipelined`` gauge, path info series), metrics and the first exchange's flag.
-
-A :class:`Feature` declares its name (one of :data:`~hicache_async_ack.names.SYNCS`),
-where its per-object state lives and how it is built, the features whose
-hooks must be inside its own (registered first), and its hooks, in the order
-they need, each declared with :meth:`Feature.hook` beside its notes (target,
-why, how, what makes it stand down). Its state, a :class:`FeatureState`,
-declares the static decision (fixed for the object's lifetime), the dynamic
-blockers (per step, no collective: :meth:`FeatureState.decide` is a query),
-the one first exchange (:meth:`FeatureState.first_exchange`, which sets
-``agreed``) and the step. :func:`check_order` asserts the declared order.
-"""
+"""A sync as declared (:class:`Feature`: its names row, state builder, order, hooks) and
+what every sync's state does alike (:class:`FeatureState`: path decision, announcement,
+failure); the step itself is :mod:`.owner`'s."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Generic, Iterable, Mapping, Optional, Sequence, TypeVar
 
 from .. import path_info
-from ..names import LOGGER_NAME, SYNCS, TITLES
-from .collectives import Collectives, collectives
-from .decision import Decision
-from .hooks import Hook, hook
+from ..errors import HiCacheAsyncAckError, HiCacheAsyncAckMismatch
+from ..guard import UNTESTED
+from ..names import LOGGER_NAME, Sync, SyncName
+from .decision import Decision, ReasonCode
+from .environment import Environment, environment, judged
+from .hooks import Fn, Hook, HookKind, hook
 
 logger = logging.getLogger(LOGGER_NAME)
+S = TypeVar("S", bound="FeatureState")
+
+
+def feature_release(sync: SyncName) -> Optional[str]:
+    """The tested release ``sync``'s methods behave like here; ``UNTESTED`` under the
+    opt-in; None where the sync stays on upstream's path."""
+    now = judged()
+    if now.verdict is None:
+        return None
+    verdict = now.verdict.feature(sync)
+    if verdict.release is None and now.untested_ok and verdict.status == "untested":
+        return UNTESTED
+    return verdict.release
 
 
 class FeatureState:
-    """What every feature keeps per object: its lifetime decision (``static``),
-    the collectives it was handed, a metrics sink (None costs nothing), whether
-    its first exchange ran (``agreed``) and what it last announced."""
+    """What every sync keeps per object: its lifetime decision (``static``), environment,
+    metrics sink (None costs nothing), ``agreed`` (first exchange ran), last announcement."""
 
-    feature = ""  # its sync name, one of SYNCS
+    sync: ClassVar[Sync]
 
-    def __init__(self, static: Decision, coll: Optional[Collectives] = None):
+    def __init__(self, static: Decision, env: Environment) -> None:
         self.static = static
-        self.collectives = collectives() if coll is None else coll
+        self.env = env
+        self.collectives = env.collectives
         self.metrics: Any = None
         self.agreed = False
-        self.announced: Optional[tuple] = None
+        self.announced: Optional[tuple[bool, ReasonCode, str]] = None
 
-    def dynamic_blocker(self, obj) -> Optional[Decision]:
+    def dynamic_blocker(self, obj: Any) -> Optional[Decision]:
         """Per-step conditions (cheap reads, no collective) that force upstream's path."""
         return None
 
-    def decide(self, obj) -> Decision:
+    def decide(self, obj: Any) -> Decision:
         """This step's path: a query, never a collective."""
         if not self.static.pipelined:
             return self.static
         return self.dynamic_blocker(obj) or self.static
 
-    def first_exchange(self, obj) -> None:
-        """The one blocking agreement in upstream's own shape, before anything the
-        blocking path would not run; sets ``agreed`` (or raises, naming the
-        disagreement, on every rank)."""
-        raise NotImplementedError
-
     def announce(self, decision: Decision) -> None:
-        """Called every step: logs and exports only a change (announce_path)."""
-        announce_path(self, decision)
+        """THE announcement of a sync's path (log line, metrics, path info) on each change;
+        called every step, so it compares before it formats."""
+        key = (decision.pipelined, decision.code, decision.reason)
+        if key == self.announced:
+            return
+        self.announced = key
+        if self.metrics is not None:
+            self.path_metrics(decision)
+            labels = getattr(self.metrics, "labels", None)
+            if isinstance(labels, Mapping):  # the "why" series; never raises
+                path = "pipelined" if decision.pipelined else "blocking"
+                path_info.publish(self.sync.name, path, decision.code, labels)
+        logger.info("%s", self.path_line(decision))
 
     def path_metrics(self, decision: Decision) -> None:
-        """Export a change of path (the feature's ``pipelined`` gauge)."""
         self.metrics.on_path(decision.pipelined)
 
     def pipelined_details(self, decision: Decision) -> Sequence[str]:
-        """What the pipelined line says in its parentheses."""
         return (f"world size {decision.world_size}",)
 
     def blocking_details(self) -> Sequence[str]:
         return ()
 
     def path_line(self, decision: Decision) -> str:
-        title = TITLES[self.feature]
+        title = self.sync.title
         if decision.pipelined:
             details = "; ".join(self.pipelined_details(decision))
             return f"{title}: pipelined over the {decision.reason} ({details})"
@@ -82,100 +89,88 @@ class FeatureState:
         line = f"{title}: blocking (upstream path) because {decision.reason}"
         return f"{line} ({extra})" if extra else line
 
+    def failed(self, exc: HiCacheAsyncAckError) -> None:
+        """A sync error on this rank: counted and logged (the scheduler may die first)."""
+        if self.metrics is not None:
+            reason = "mismatch" if isinstance(exc, HiCacheAsyncAckMismatch) else "failure"
+            self.metrics.on_failure(reason)
+        logger.error("%s", exc)
 
-def announce_path(state: FeatureState, decision: Decision) -> None:
-    """THE announcement of a sync's path, for all three: one line per rank, and
-    one more on each change of path (decision and reason code), with the
-    feature's ``pipelined`` metrics updated alike. Called every step: compares
-    before it formats."""
-    key = (decision.pipelined, decision.code, decision.reason)
-    if key == state.announced:
-        return
-    state.announced = key
-    if state.metrics is not None:
-        state.path_metrics(decision)
-        labels = getattr(state.metrics, "labels", None)
-        if isinstance(labels, Mapping):  # the "why" series; never raises
-            path = path_info.path_of(decision.pipelined)
-            path_info.publish(state.feature, path, decision.code, labels)
-    logger.info("%s", state.path_line(decision))
+    def cache_metrics(self, cache: Any) -> Any:
+        """This sync's metrics for a cache, labelled like its other metrics."""
+        collector = getattr(cache, "metrics_collector", None)
+        labels = getattr(collector, "labels", None) or {"cache_type": type(cache).__name__}
+        return self.make_metrics(labels, collector)
+
+    def make_metrics(self, labels: Mapping[str, Any], collector: Any = None) -> Any:
+        """This sync's metrics for ``labels`` (the environment's factory, else SGLang's
+        pipeline); None, logged, if they cannot be made: metrics never fail HiCache."""
+        from ..metrics import series_for
+
+        make = self.env.metrics or series_for
+        try:
+            return make(self.sync.metrics_key, labels, collector)
+        except Exception as exc:  # noqa: BLE001 (e.g. a collector backend refusing the names)
+            logger.warning("%s: metrics not exported for %s: %r", self.sync.title,
+                           dict(labels), exc)  # fmt: skip
+            return None
 
 
 @dataclass
-class Feature:
-    """A sync, declared once (see the module docstring). ``build(obj)`` makes
-    its state for an object (a cache, a manager); ``after`` names the features
-    whose hooks it wraps (registered before its own)."""
+class Feature(Generic[S]):
+    """A sync, declared once: ``build(obj)`` makes its state; ``after``: the syncs whose
+    hooks it wraps (registered before its own)."""
 
-    sync: str
-    state_attr: str
-    build: Callable[[Any], FeatureState]
-    after: tuple[str, ...] = ()
+    sync: Sync
+    build: Callable[[Any], S]
+    after: tuple[SyncName, ...] = ()
     hooks: list[Hook] = field(default_factory=list)
 
-    def __post_init__(self):
-        assert self.sync in SYNCS, self.sync
+    def hook(self, target: str, method: str, kind: HookKind) -> Callable[[Fn], Fn]:
+        """Declare the decorated function as this feature's ``kind`` hook on ``target.method``."""
 
-    def hook(self, target: str, method: str, kind: str) -> Callable[[Callable], Callable]:
-        """Declare the decorated function as this feature's ``kind`` hook on
-        ``target.method``, after those declared before it."""
-        assert kind in ("BEFORE", "AFTER", "AROUND"), kind
-
-        def declare(fn: Callable) -> Callable:
-            self.hooks.append(Hook(target, method, kind, hook(fn, self.sync), self.sync))
+        def declare(fn: Fn) -> Fn:
+            self.hooks.append(Hook(target, method, kind, hook(fn, self.sync.name),
+                                   self.sync.name))  # fmt: skip
             return fn
 
         return declare
 
-    def state_of(self, obj) -> Optional[Any]:
-        return obj.__dict__.get(self.state_attr)
+    def hooked_on(self, target: str) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(h.method for h in self.hooks if h.target == target))
 
-    def attach(self, obj) -> Any:
-        """Build the object's state now (a setting is read when its state is built)."""
-        state = obj.__dict__[self.state_attr] = self.build(obj)
+    def state_of(self, obj: Any) -> Optional[S]:
+        state: Optional[S] = obj.__dict__.get(self.sync.state_attr)
         return state
 
-    def ensure(self, obj) -> Any:
+    def attach(self, obj: Any, init_args: Sequence[Any] = (), **init_kwargs: Any) -> S:
+        """Build the object's state now (a setting is read when its state is built);
+        with ``init_hicache(server_args, params)``'s arguments, its metrics too
+        where ``params.enable_metrics`` (--enable-metrics)."""
+        state = obj.__dict__[self.sync.state_attr] = self.build(obj)
+        params = init_kwargs.get("params", init_args[1] if len(init_args) > 1 else None)
+        if getattr(params, "enable_metrics", False):
+            state.metrics = state.cache_metrics(obj)
+        return state
+
+    def ensure(self, obj: Any) -> S:
         """The object's state, built on first use if init's hook did not run."""
         state = self.state_of(obj)
         return self.attach(obj) if state is None else state
 
 
-def check_order(features: Iterable[Feature]) -> tuple[Feature, ...]:
-    """The features in registration order, asserting each one's ``after``: a
-    feature's hooks must wrap those of the features it names, so those are
-    registered (and nested) first."""
+def check_order(features: Iterable[Feature[Any]]) -> tuple[Feature[Any], ...]:
+    """The features in registration order, asserting each one's ``after``."""
     seen: list[str] = []
     out = tuple(features)
     for f in out:
         missing = [dep for dep in f.after if dep not in seen]
-        assert not missing, f"{f.sync} must be registered after {missing}"
-        assert f.sync not in seen, f"{f.sync} declared twice"
-        seen.append(f.sync)
+        assert not missing, f"{f.sync.name} must be registered after {missing}"
+        assert f.sync.name not in seen, f"{f.sync.name} declared twice"
+        seen.append(f.sync.name)
     return out
 
 
-class Rider(Protocol):
-    """A section another feature adds to the ack sync's pipelined reduce, so
-    its agreement costs no collective of its own (the prefetch votes).
-
-    ``flags`` names the layout-flag bits it owns (bit -> what it means);
-    ``layout_bit`` is the one whose agreement puts its section in a reduce.
-    Per pipelined step the ack sync calls, in order: :meth:`take` for each of
-    its sections in the reduces consumed (before any pop: it may raise),
-    :meth:`after_pops` once upstream's pops are done, then :meth:`section` if the
-    group agreed on ``layout_bit`` (its values and a token, handed back with
-    the reduced values to :meth:`take`), else :meth:`no_section`."""
-
-    flags: Mapping[int, str]
-    layout_bit: int
-
-    def local_flags(self, cache) -> int: ...
-
-    def take(self, cache, token: object, reduced: Sequence[int]) -> None: ...
-
-    def after_pops(self, cache) -> None: ...
-
-    def section(self, cache) -> tuple[list[int], object]: ...
-
-    def no_section(self, cache) -> None: ...
+def state_class(sync: Sync, default: type[S]) -> type[S]:
+    """The class to build ``sync``'s state with, in the environment in force."""
+    return environment().state_class(sync.name, default)

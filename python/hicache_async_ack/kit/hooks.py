@@ -1,39 +1,35 @@
-"""Hooks: marking ours, finding them in a wrapper chain, and registering them
-with SGLang's HookRegistry.
-
-Where several features hook the same method AROUND, one hook is registered
-that nests theirs in feature order (the first feature's innermost, as
-HookRegistry would nest them): the order is the code's, and HookRegistry never
-sees two AROUND hooks of ours on one method (it warns on that, as one that
-skips ``original`` would bypass the other: ours nest on purpose).
+"""Hooks: marking ours, finding them in a wrapper chain, registering them with SGLang's
+HookRegistry. Several features' AROUND hooks on one method are registered as one that
+nests them in feature order (HookRegistry warns on two AROUND hooks; ours nest on purpose).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Literal, Optional, Union
 
 HOOK_MARK = "_hicache_async_ack_hook"  # on our hook functions: the features they serve
+HookKind = Literal["BEFORE", "AFTER", "AROUND"]
+Fn = Callable[..., Any]
 
 
-def hook(fn: Callable, *features: str) -> Callable:
+def hook(fn: Fn, *features: str) -> Fn:
     """Mark ``fn`` as one of our hooks, serving ``features`` (:func:`hooked_for`)."""
     setattr(fn, HOOK_MARK, frozenset(features) | getattr(fn, HOOK_MARK, frozenset()))
     return fn
 
 
-def _cell_value(cell):
+def _cell_value(cell: Any) -> Any:
     try:
         return cell.cell_contents
     except ValueError:  # empty cell
         return None
 
 
-def _marks(fn) -> Optional[frozenset]:
-    """The union of our marks in ``fn``'s wrapper chain, None if none is ours.
-    HookRegistry's wrappers keep the hook in a closure cell and the original in
-    __wrapped__."""
-    found: Optional[frozenset] = None
+def _marks(fn: Any) -> Optional[frozenset[str]]:
+    """The union of our marks in ``fn``'s wrapper chain (closure cells, ``__wrapped__``),
+    None if none is ours."""
+    found: Optional[frozenset[str]] = None
     while fn is not None:
         cells = getattr(fn, "__closure__", None) or ()
         for obj in (fn, *(_cell_value(c) for c in cells)):
@@ -44,18 +40,21 @@ def _marks(fn) -> Optional[frozenset]:
     return found
 
 
-def hooked_for(fn) -> frozenset:
+def hooked_for(fn: Any) -> frozenset[str]:
     """The features whose hooks sit in ``fn``'s wrapper chain."""
     return _marks(fn) or frozenset()
 
 
-def is_hooked(fn) -> bool:
+def is_hooked(fn: Any) -> bool:
     """Whether any of our hooks sits in ``fn``'s wrapper chain."""
     return _marks(fn) is not None
 
 
-def unhooked(cls, names: Iterable[str], feature: str) -> Optional[str]:
+def unhooked(cls: type, names: Iterable[str], feature: str) -> Optional[str]:
     """Why ``cls`` does not run ``feature``'s hooks on ``names``, or None."""
+    names = tuple(names)
+    if not names:
+        return f"no hook of {feature} on {cls.__name__} was declared (its hooks not loaded)"
     for name in names:
         fn = getattr(cls, name, None)
         if fn is None or feature not in hooked_for(fn):
@@ -68,20 +67,19 @@ def unhooked(cls, names: Iterable[str], feature: str) -> Optional[str]:
 
 @dataclass(frozen=True)
 class Hook:
-    """One hook: ``target`` (a class path), the method, the HookType name, the
-    function and the feature it serves."""
+    """One hook: class path, method, HookType name, function, the feature it serves."""
 
     target: str
     method: str
-    kind: str  # "BEFORE", "AFTER" or "AROUND"
-    fn: Callable
+    kind: HookKind
+    fn: Fn
     feature: str = ""
 
 
-def nest_arounds(fns: list[Callable]) -> Callable:
+def nest_arounds(fns: list[Fn]) -> Fn:
     """One AROUND hook running ``fns`` nested, the first innermost."""
 
-    def around(original, *args, **kwargs):
+    def around(original: Fn, *args: Any, **kwargs: Any) -> Any:
         call = original
         for fn in fns:
             call = _bound(fn, call)
@@ -90,18 +88,17 @@ def nest_arounds(fns: list[Callable]) -> Callable:
     return around
 
 
-def _bound(fn: Callable, inner: Callable) -> Callable:
-    def call(*args, **kwargs):
+def _bound(fn: Fn, inner: Fn) -> Fn:
+    def call(*args: Any, **kwargs: Any) -> Any:
         return fn(inner, *args, **kwargs)
 
     return call
 
 
-def registrations(hooks: Iterable[Hook]) -> list[tuple[str, str, Callable]]:
-    """(dotted target, HookType name, function) to register, in order: each hook
-    as declared, except that the AROUND hooks of one method become one, nesting
-    them in declaration order at the place of the first."""
-    out: list = []
+def registrations(hooks: Iterable[Hook]) -> list[tuple[str, HookKind, Fn]]:
+    """(dotted target, HookType name, function) to register, in order; the AROUND hooks
+    of one method become one, nested in declaration order, at the first's place."""
+    out: list[tuple[str, HookKind, Union[Fn, list[Hook]]]] = []
     arounds: dict[str, list[Hook]] = {}
     for h in hooks:
         target = f"{h.target}.{h.method}"
@@ -112,7 +109,7 @@ def registrations(hooks: Iterable[Hook]) -> list[tuple[str, str, Callable]]:
             arounds[target] = []
             out.append((target, "AROUND", arounds[target]))  # filled below
         arounds[target].append(h)
-    result = []
+    result: list[tuple[str, HookKind, Fn]] = []
     for target, kind, fn in out:
         if isinstance(fn, list):
             fns = [h.fn for h in fn]

@@ -1,7 +1,5 @@
-"""Engine-agnostic: auto depth, the rule every rank applies to the same agreed
-observations at the same consume, so the lag depth moves on every rank at once
-with no extra collective (docs/design.md, "Auto depth"). No SGLang or torch
-import here."""
+"""Engine-agnostic (no SGLang/torch): auto depth, applied by every rank to the same
+agreed observations, so the depth moves everywhere at once (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -15,12 +13,9 @@ WAIT_FLOOR_S = 200e-6  # shorter waits are noise (the collective's own cost), no
 
 
 def observation(waited_s: float, next_pending: bool, step_s: float) -> int:
-    """One rank's observation at a consume, for the group's MAX: how long it
-    waited on the due reduce, in steps of its own (``step_s``: from the end of
-    its previous consume to this one, so the step's work, not its waits)
-    rounded up, 0 for a wait under WAIT_FLOOR_S; above one bit:
-    whether the reduce after it was still in flight (so one step less depth
-    would have waited). Any wait outranks every 'still in flight'."""
+    """One rank's observation for the group's MAX: its wait on the due reduce in its own
+    steps (``step_s``: since its previous consume returned), rounded up, 0 under
+    WAIT_FLOOR_S; the low bit: the next reduce was still in flight."""
     if waited_s < WAIT_FLOOR_S:
         steps = 0
     else:
@@ -30,26 +25,11 @@ def observation(waited_s: float, next_pending: bool, step_s: float) -> int:
 
 @dataclass
 class AutoDepth:
-    """The depth rule every rank applies to the same agreed observations at the
-    same consume, so the depth moves on every rank at once with no extra
-    collective. An observation says how many steps some rank waited (rounded
-    up) and whether the next reduce was still in flight.
-
-    * Once some rank waited on ``raise_after`` of the last ``depth + 1``
-      consumed reduces (a sustained latency: one long reduce is an outlier and
-      moves nothing; at depth k a sustained one shows on every k-th consume,
-      since the k - 1 reduces issued right after the one waited on are done by
-      then), the depth rises by the smallest of those waits in steps: the depth
-      that would not have waited on any of them, at once.
-    * Lower by one when, on ``lower_after`` consecutive ones, nobody waited and
-      every rank found the next reduce already complete.
-
-    After a change, the reduces that still carry an observation made at the old
-    depth are ignored, so one latency episode is counted once: the one issued
-    in the step of the change, plus, after a raise by W, the W issued in the
-    steps whose consume the raise skips (they carry the same observation). So
-    W + 1 after a raise, 1 after a lower. ``issued_step`` and ``now_step``
-    count reduces issued, the same on every rank."""
+    """The depth rule. Raise by the smallest wait (in steps) once some rank waited on
+    ``raise_after`` of the last ``depth + 1`` consumes (one long reduce moves nothing);
+    lower by one after ``lower_after`` consecutive clean consumes (no wait, next one
+    done). After a change, reduces carrying an old-depth observation are ignored (W + 1
+    after a raise by W, 1 after a lower). Steps count reduces issued (same everywhere)."""
 
     lo: int = 1
     hi: int = 8
@@ -79,8 +59,7 @@ class AutoDepth:
             new = self.depth - 1
         if new != self.depth:
             self.changes.append((now_step, self.depth, new))
-            # the next issue carries this consume's observation; a raise by W
-            # skips W consumes, whose issues carry it again
+            # the next issue carries this observation; a raise by W skips W consumes
             self._settled_after = now_step + 1 + max(0, new - self.depth)
             self.depth, self._clean = new, 0
             self._recent.clear()

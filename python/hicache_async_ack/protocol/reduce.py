@@ -1,30 +1,12 @@
-"""Engine-agnostic core: the pipelined MIN-reduce of HiCache ready counts.
+"""Engine-agnostic core: the pipelined MIN-reduce of HiCache ready counts (no SGLang/torch).
 
-No SGLang or torch import here. The caller hands in, per scheduler step, the
-entries that are ready at the head of each queue (acks whose finish_event has
-fired, storage control entries) and a collective that MIN-reduces a list of
-ints across the ranks; this module keeps the reduces in flight and turns an
-agreed count back into "how many to pop now".
-
-Agreement by identity. A reduce agrees on a count c per queue: the first c
-entries that were ready on every rank when the reduce was issued. Instead of
-trusting the count alone when it is consumed one (or k) steps later, we keep
-references to the entries that were ready at issue and pop only those of the
-first c that are *still at the head* of the queue. Any other path that removed
-entries in between (reset, write-back flush, storage drain, a blocking
-loading_check) removed them from the head (the queues are FIFO), so the entries
-it took are exactly a prefix of ours and are skipped by construction. All those
-paths run symmetrically on every rank, so every rank pops the same entries.
-
-Agreement on the protocol itself. The last two values of every reduce are
-``[x, -x]`` (upstream carries its reclaim digest there): MIN gives the group's
-min and max of x. Here x is a :class:`Stamp` that packs, most significant
-first, the protocol version, the depth mode and depth, the digest and one
-per-rank observation. Whatever must be equal on all ranks sits above the
-observation, so min and max of x differ there exactly when some rank differs;
-the observation's max then rides along for free. A stamp is always >= 2**58,
-above any digest upstream's blocking path sends (< 2**42), so a rank running
-that path on the same reduce fails upstream's own digest check, and we name it.
+Per step the caller hands in the entries ready at the head of each queue and a collective
+that MIN-reduces a list of ints; this module keeps the reduces in flight and turns an
+agreed count back into "how many to pop now". Agreement is by identity: we keep the
+entries ready at issue and pop only those of the first c still at the head (any other
+path pops a FIFO prefix, on every rank alike). The last two values of every reduce are
+``[x, -x]`` with x a :class:`Stamp` (>= 2**58, above upstream's digest), so MIN gives
+the group's min and max of x and any disagreement is named (docs/design.md).
 """
 
 from __future__ import annotations
@@ -34,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Mapping, NoReturn, Optional, Sequence
 
+from ..errors import HiCacheAckSyncError, HiCacheAckSyncMismatch
 from .depth import AutoDepth, observation
 from .stamp import (
     DEPTH_LIMIT,
@@ -41,8 +24,6 @@ from .stamp import (
     PROTOCOL_VERSION,
     Collective,
     Handle,
-    HiCacheAckSyncError,
-    HiCacheAckSyncMismatch,
     Stamp,
     describe_mismatch,
     fold_digest,
@@ -50,21 +31,23 @@ from .stamp import (
     stamps_differ,
 )
 
+# (queue name, n) -> (up to) the first n entries now in that queue, () if it is gone
+Head = Callable[[Hashable, int], Sequence[object]]
 
+
+@dataclass(slots=True, eq=False)
 class _Pending:
-    """A reduce in flight and what it was issued over."""
+    """A reduce in flight: queue names (tensor order), entries ready at issue, the stamp
+    and flags this rank sent, its step, the rider tail's length and the rider's token."""
 
-    __slots__ = ("handle", "names", "ready", "x", "flags", "step", "tail", "token")
-
-    def __init__(self, handle: Handle, names, ready, x: int, flags: int, step, tail: int, token):
-        self.handle = handle
-        self.names: tuple[Hashable, ...] = names  # queue names, in tensor order
-        self.ready: tuple[Sequence[object], ...] = ready  # entries ready at issue, per queue
-        self.x = x  # the packed stamp this rank sent
-        self.flags = flags  # the layout flags this rank sent
-        self.step = step
-        self.tail = tail  # values a rider appended after the counts (and flags)
-        self.token = token  # the rider's own record of what it sent, handed back
+    handle: Handle
+    names: tuple[Hashable, ...]
+    ready: tuple[Sequence[object], ...]
+    x: int
+    flags: int
+    step: int
+    tail: int
+    token: object
 
 
 @dataclass(slots=True)
@@ -78,22 +61,17 @@ class Consumed:
     obs_max: int = 0  # the group's max observation (of the newest one consumed)
     waited_s: float = 0.0  # auto depth: how long this rank waited on the due reduce(s)
     depth_change: Optional[tuple[int, int]] = None  # (from, to), auto depth only
-    # layout flags: the group's agreed flags of the newest reduce consumed (None:
-    # this sync sends none); tails: (token, reduced tail) per reduce, oldest first
-    flags: Optional[int] = None
-    tails: list = field(default_factory=list)
-    # per reduce consumed, oldest first: (its own pops, its (token, tail) list);
-    # a reduce's pops assume the older ones' are applied first
-    parts: list = field(default_factory=list)
+    flags: Optional[int] = None  # the newest reduce's agreed flags (None: sends none)
+    tails: list[tuple[object, list[int]]] = field(default_factory=list)  # oldest first
+    # per reduce, oldest first: (its own pops, after the older ones'; its tails)
+    parts: list[tuple[dict[Hashable, int], list[tuple[object, list[int]]]]] = field(
+        default_factory=list
+    )
 
 
 def still_queued(agreed: Sequence[object], head: Sequence[object]) -> int:
-    """How many of ``agreed`` (the first c entries ready on every rank at issue)
-    are still at the head of the queue, whose first entries are ``head``.
-
-    Entries only leave a queue from its head, so what another path removed is a
-    prefix of ``agreed`` and what is left is ``agreed[j:]`` == ``head[:c-j]``.
-    """
+    """How many of ``agreed`` (ready on every rank at issue) are still at the head of
+    the queue: others pop only from the head, so what is left is ``agreed[j:]``."""
     if not agreed or not head:
         return 0
     first = head[0]
@@ -104,8 +82,8 @@ def still_queued(agreed: Sequence[object], head: Sequence[object]) -> int:
     for i in range(n):
         if i >= len(head) or head[i] is not agreed[j + i]:
             raise HiCacheAckSyncError(
-                "HiCache ack sync: a queue was reordered or lost entries from its "
-                "middle between issue and consume; FIFO order is required"
+                "a queue was reordered or lost entries from its middle between the "
+                "reduce's issue and its consume; FIFO order is required"
             )
     return n
 
@@ -113,39 +91,31 @@ def still_queued(agreed: Sequence[object], head: Sequence[object]) -> int:
 class PipelinedAckSync:
     """Keeps up to ``depth`` MIN-reduces of ready counts in flight.
 
-    Per step the owner calls :meth:`consume_due` (waits on the reduce issued
-    ``depth`` steps ago, if any) then, after popping, :meth:`issue`. Both ranks
-    and steps are symmetric: every rank waits on the same reduce in the same
-    step, decided by the step count alone, never by ``is_completed()``.
-
-    ``hints`` completes a mismatch error with what the operator should do, per
-    stamp field ("depth", "auto", "protocol", "digest", and "stock": a peer that
-    ran the blocking path). With ``auto``, the depth follows that rule, starting
-    at ``depth``; ``clock`` (seconds) times the waits it observes.
-
-    ``title`` starts its messages and ``errors`` are the (error, mismatch)
-    classes it raises: the sync it serves (the ack sync's by default).
-
-    ``flag_names`` (bit -> what it means) makes every reduce carry ``[f, -f]``
-    after the stamp: layout flags every rank must share (which sections the
-    next reduces carry), checked at consume like the stamp's agreed fields, so a
-    layout switches only at a step every rank agrees on. A rider may append a
-    ``tail`` of values to a reduce; its reduced tail comes back, with the
-    rider's ``token``, in :attr:`Consumed.tails`.
+    Per step: :meth:`consume_due` (the reduce issued ``depth`` steps ago; by step count
+    alone, never ``is_completed()``), then, after popping, :meth:`issue`. ``hints``: what
+    to do per stamp field that differs ("stock": a peer on the blocking path); ``auto``:
+    the depth rule, ``clock`` times its waits; ``title``/``errors``: the sync served.
+    ``flag_names`` (bit -> meaning) adds ``[f, -f]`` layout flags after the stamp, checked
+    like it; a rider's ``tail`` comes back reduced, with its ``token``, in ``tails``.
     """
+
+    still_queued = staticmethod(still_queued)  # a negative control's override point
 
     def __init__(
         self,
         collective: Collective,
         depth: int = 1,
         *,
+        title: str,
         auto: Optional[AutoDepth] = None,
         hints: Optional[Mapping[str, str]] = None,
         clock: Callable[[], float] = time.perf_counter,
         flag_names: Optional[Mapping[int, str]] = None,
-        title: str = "HiCache ack sync",
-        errors: tuple[type, type] = (HiCacheAckSyncError, HiCacheAckSyncMismatch),
-    ):
+        errors: tuple[type[Exception], type[Exception]] = (
+            HiCacheAckSyncError,
+            HiCacheAckSyncMismatch,
+        ),
+    ) -> None:
         if not 1 <= depth <= DEPTH_LIMIT:
             raise ValueError(f"depth must be from 1 to {DEPTH_LIMIT}, got {depth}")
         self.collective = collective
@@ -156,14 +126,13 @@ class PipelinedAckSync:
         self.hints = dict(hints or {})
         self.flag_names = None if flag_names is None else dict(flag_names)
         self.title = title
+        self.protocol = PROTOCOL_VERSION  # what this build speaks (a test may play another)
         self.error, self.mismatch = errors
         self._pending: deque[_Pending] = deque()
         self._failed: Optional[BaseException] = None
         self._step = 0
         self._obs = 0  # this rank's observation, sent with the next issue
         self.clock = clock
-        # auto depth: when this rank's last consume_due returned, so a step's
-        # length is its own work and forward, not the waits it observes
         self._since: Optional[float] = None
 
     @property
@@ -188,20 +157,14 @@ class PipelinedAckSync:
         tail: Sequence[int] = (),
         token: object = None,
     ) -> None:
-        """Start the MIN-reduce of the ready counts (plus the stamp as ``[x, -x]``,
-        with ``flag_names`` the flags as ``[f, -f]``, then ``tail``).
-
-        The core keeps the sequences in ``ready`` until the reduce is consumed:
-        hand in fresh ones (slices of the queues), never the queues themselves."""
-        if self._failed is not None:
-            self._check_usable()
+        """Start the MIN-reduce of the counts, ``[x, -x]``, ``[f, -f]`` (flags), ``tail``.
+        ``ready`` is kept until consumed: hand in fresh slices, never the queues."""
+        self._check_usable()
         names = tuple(ready)
         snap = tuple(ready.values())
-        x = pack_stamp(PROTOCOL_VERSION, self.auto is not None, self.depth, digest, self._obs)
-        values = [len(s) for s in snap]
-        values += (x, -x)
-        if self.flag_names is not None:
-            values += (flags, -flags)
+        x = pack_stamp(self.protocol, self.auto is not None, self.depth, digest, self._obs)
+        values = [len(s) for s in snap] + [x, -x]
+        values += (flags, -flags) if self.flag_names is not None else ()
         values += tail
         try:
             handle = self.collective(values)
@@ -210,26 +173,20 @@ class PipelinedAckSync:
         self._step += 1
         self._pending.append(_Pending(handle, names, snap, x, flags, self._step, len(tail), token))
 
-    def consume_due(self, head: Callable[[Hashable, int], Sequence[object]]) -> Optional[Consumed]:
-        """Consume every reduce that is due (one normally; none while the depth
-        grows; two in the step the depth shrinks), else None.
-
-        ``head(name, n)`` returns (up to) the first ``n`` entries currently in
-        the queue called ``name``, or () if that queue no longer exists.
-        """
+    def consume_due(self, head: Head) -> Optional[Consumed]:
+        """Consume every due reduce (none while the depth grows, two when it shrinks),
+        else None. ``head(name, n)``: up to the first ``n`` entries of queue ``name``."""
         self._check_usable()
         return self._consume(head, self.depth)
 
-    def drain(self, head: Callable[[Hashable, int], Sequence[object]]) -> Optional[Consumed]:
-        """Consume every reduce in flight, oldest first (when standing down to
-        the blocking path), as one result."""
+    def drain(self, head: Head) -> Optional[Consumed]:
+        """Consume every reduce in flight, oldest first, as one result (standing down)."""
         self._check_usable()
         return self._consume(head, 1)
 
-    def _consume(self, head, keep_below: int) -> Optional[Consumed]:
-        """Consume the oldest reduces while ``keep_below`` or more are in flight.
-        Each is reconciled against the queue heads as the previous ones will
-        have left them (their pops applied), so one result pops each entry once."""
+    def _consume(self, head: Head, keep_below: int) -> Optional[Consumed]:
+        """Consume the oldest reduces while ``keep_below`` or more are in flight, each
+        against the heads the older ones' pops leave, so each entry pops once."""
         pending = self._pending
         if self.auto is None:  # only auto depth needs the observation
             if len(pending) < keep_below:
@@ -262,16 +219,12 @@ class PipelinedAckSync:
         self._since = clock()
         return out
 
-    @property
-    def _flag_slots(self) -> int:
-        return 0 if self.flag_names is None else 2
-
     def _wait(self, p: _Pending) -> Sequence[int]:
         try:
             reduced = p.handle.wait()
         except Exception as exc:  # re-raised with context
             self._fail(exc, f"waiting on this cache's reduce #{p.step}")
-        issued = len(p.names) + 2 + self._flag_slots + p.tail
+        issued = len(p.names) + 2 + (self.flag_names is not None) * 2 + p.tail
         if len(reduced) != issued:
             self._fail(
                 ValueError(f"reduced {len(reduced)} values, issued {issued}"),
@@ -283,28 +236,20 @@ class PipelinedAckSync:
         self,
         slots: int,
         digest: int,
-        reduce: Optional[Callable[[list[int]], Sequence[int]]] = None,
+        reduce: Callable[[list[int]], Sequence[int]],
         flags: int = 0,
     ) -> int:
-        """The first exchange, before anything the blocking path would not do:
-        ``slots`` counts then ``[x, -x]`` with this rank's stamp, MIN-reduced and
-        checked at once. ``reduce`` is a blocking MIN-reduce in the blocking
-        path's own shape, over its own groups (so a peer running that path pairs
-        with it collective for collective, whatever the topology); by default,
-        one reduce of our collective, waited on at once. Raises
-        :class:`HiCacheAckSyncMismatch` on every rank of a group that disagrees,
-        in this step, before any other collective runs. With ``flag_names``, the
-        first two count slots carry ``[f, -f]`` (``slots`` >= 2: upstream's two
-        ack counts), checked once the stamps agree (a peer on the blocking path
-        sends counts there); the others are zero, as the pipelined path pops
-        nothing in its first step anyway. Returns the group's flags."""
+        """The first exchange, in the blocking path's shape and groups (``reduce``, so a
+        stock peer pairs with it): ``slots`` counts (with ``flag_names`` the first two
+        carry ``[f, -f]``, the rest 0), then ``[x, -x]``; checked at once, raising the
+        mismatch on every rank before any other collective. Returns the group's flags."""
         self._check_usable()
-        x = pack_stamp(PROTOCOL_VERSION, self.auto is not None, self.depth, digest, 0)
+        x = pack_stamp(self.protocol, self.auto is not None, self.depth, digest, 0)
         values = [0] * slots + [x, -x]
         if self.flag_names is not None:
             values[:2] = (flags, -flags)
         try:
-            reduced = reduce(values) if reduce is not None else self.collective(values).wait()
+            reduced = reduce(values)
         except Exception as exc:  # re-raised with context
             self._fail(exc, "the first exchange")
         if len(reduced) != len(values):
@@ -320,37 +265,31 @@ class PipelinedAckSync:
         return self._agreed_flags("this cache's first exchange", flags, reduced[0], -reduced[1])
 
     def _agreed_flags(self, what: str, mine: int, lo: int, hi: int) -> int:
-        """The group's flags, or stop naming the flags that differ: the min and
-        max are two ranks' own flags, so every bit they differ in differs."""
+        """The group's flags, or stop naming the bits min and max differ in."""
         if lo == hi:
             return lo
-        differ = [b for b in sorted(self.flag_names or {}) if (lo ^ hi) >> b & 1]
+        bits = self.flag_names or {}
         names = "; ".join(
-            f"{(self.flag_names or {})[b]}: this rank {mine >> b & 1}" for b in differ
+            f"{bits[b]}: this rank {mine >> b & 1}" for b in sorted(bits) if (lo ^ hi) >> b & 1
         )
-        err = self.mismatch(
-            f"{self.title}: ranks disagree on {what}: the layout flags differ across "
-            f"the group (group min {lo:#x}, max {hi:#x}): {names or 'unknown bits'}. Give "
-            "every node of the TP group the same settings and storage backend. Nothing "
-            "was popped; stopping."
+        self._stop(
+            what,
+            f"the layout flags differ across the group (group min {lo:#x}, max {hi:#x}): "
+            f"{names or 'unknown bits'}. Give every node of the TP group the same settings "
+            "and storage backend. Nothing was popped; stopping.",
         )
-        self._pending.clear()
-        self._failed = err
-        raise err
 
     def _mismatch(self, what: str, x: int, lo_x: int, hi_x: int) -> NoReturn:
-        mine, lo, hi = Stamp.unpack(x), Stamp.unpack(lo_x), Stamp.unpack(hi_x)
-        why = describe_mismatch(mine, lo, hi, self.hints)
-        err = self.mismatch(
-            f"{self.title}: ranks disagree on {what}: {why} Nothing was popped; stopping."
-        )
+        why = describe_mismatch(Stamp.unpack(x), Stamp.unpack(lo_x), Stamp.unpack(hi_x), self.hints)
+        self._stop(what, f"{why} Nothing was popped; stopping.")
+
+    def _stop(self, what: str, why: str) -> NoReturn:
         self._pending.clear()
-        self._failed = err
+        self._failed = err = self.mismatch(f"{self.title}: ranks disagree on {what}: {why}")
         raise err
 
-    def _consume_oldest(self, head, out: Consumed) -> None:
-        """Wait on the oldest reduce, check every rank agrees, and add what it
-        lets pop to ``out`` (after what older reduces in ``out`` pop)."""
+    def _consume_oldest(self, head: Head, out: Consumed) -> None:
+        """Wait on the oldest reduce, check the agreement, add its pops to ``out``."""
         p = self._pending.popleft()
         reduced = self._wait(p)
         at = len(p.names)  # [x, -x] right after the counts
@@ -359,7 +298,9 @@ class PipelinedAckSync:
             self._mismatch(f"this cache's reduce #{p.step}", p.x, lo_x, hi_x)
         if self.flag_names is not None:
             lo_f, hi_f = reduced[at + 2], -reduced[at + 3]
-            out.flags = self._agreed_flags(f"this cache's reduce #{p.step}", p.flags, lo_f, hi_f)
+            agreed_now = lo_f == hi_f  # the message is formatted only where they differ
+            out.flags = lo_f if agreed_now else self._agreed_flags(
+                f"this cache's reduce #{p.step}", p.flags, lo_f, hi_f)  # fmt: skip
         tails = [(p.token, list(reduced[len(reduced) - p.tail :]))] if p.tail else []
         out.tails += tails
         pops, agreed = out.pops, out.agreed
@@ -373,7 +314,7 @@ class PipelinedAckSync:
                     )
                 taken = pops.get(name, 0)  # popped by an older reduce consumed this step
                 left = head(name, taken + count)[taken:]
-                pops[name] = taken + still_queued(snap[:count], left)
+                pops[name] = taken + self.still_queued(snap[:count], left)
                 agreed[name] = agreed.get(name, 0) + count
             else:
                 pops.setdefault(name, 0)
@@ -392,13 +333,5 @@ class PipelinedAckSync:
         ) from exc
 
 
-__all__ = [
-    "PROTOCOL_VERSION",
-    "Consumed",
-    "HiCacheAckSyncError",
-    "HiCacheAckSyncMismatch",
-    "PipelinedAckSync",
-    "Stamp",
-    "fold_digest",
-    "still_queued",
-]
+__all__ = ["PROTOCOL_VERSION", "Consumed", "HiCacheAckSyncError", "HiCacheAckSyncMismatch",
+    "PipelinedAckSync", "Stamp", "fold_digest", "still_queued"]  # fmt: skip

@@ -1,17 +1,10 @@
-"""Engine-agnostic: the stamp every reduce carries in its trailing ``[x, -x]``,
-and the errors of the syncs built on it.
+"""Engine-agnostic (no SGLang/torch): the stamp every reduce carries in ``[x, -x]``.
 
-No SGLang or torch import here. MIN over ``[x, -x]`` gives the group's min and
-max of x. x packs, most significant first, the protocol version, the depth mode
-and depth, the digest and one per-rank observation: whatever must be equal on
-all ranks sits above the observation, so min and max differ there exactly when
-some rank differs, and the observation's max rides along for free.
-
-The ranges x falls in tell who sent it (a contract shared with the in-tree
-form): stock SGLang's bare digest is below ``2**42`` (:data:`STOCK_LIMIT`); the
-in-tree module's ``depth << 42 | digest`` lies in ``[2**42, 2**58)``
-(:data:`IN_TREE_LIMIT`); this plugin's stamps are at least ``2**58`` (the
-protocol field is never 0).
+MIN over ``[x, -x]`` gives the group's min and max of x, which packs, most significant
+first, protocol, depth mode, depth, digest and a per-rank observation: the agreed fields
+differ between min and max exactly when some rank differs. Who sent x (shared with the
+in-tree form): stock's bare digest < 2**42 (STOCK_LIMIT); the in-tree module's
+``depth << 42 | digest`` < 2**58 (IN_TREE_LIMIT); this plugin's stamps >= 2**58.
 """
 
 from __future__ import annotations
@@ -19,21 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence
 
-from ..errors import (  # noqa: F401  (raised by the protocol)
-    HiCacheAckSyncError,
-    HiCacheAckSyncMismatch,
-    HiCacheAsyncAckError,
-    HiCacheAsyncAckMismatch,
-)
-
-# The wire protocol of the pipelined reduce: bump it whenever what a reduce
-# means changes (its layout, the stamp, when it is consumed). Its place at the
-# top of the stamp never moves, so any two versions can tell they differ.
-# 2: the fused layout (layout flags after the stamp, riders after them); 3: the
-# votes' section carries reaches in walk order (810 values, votes protocol 11); 4:
-# the votes' section carries the walk's digest, reaches past its slots decided in
-# overflow exchanges (812 values, votes protocol 12). A peer on another version
-# stops at the first exchange instead of pairing a reduce of another size.
+# The wire protocol: bump it whenever what a reduce means changes (its top place in the
+# stamp never moves). 2: fused layout (flags, riders); 3: reaches in walk order (votes
+# 11); 4: walk digest and overflow exchanges (votes 12, 812 values).
 PROTOCOL_VERSION = 4
 
 OBS_BITS = 12  # the per-rank observation (auto depth's wait signal)
@@ -45,8 +26,11 @@ assert PROTOCOL_BITS + AUTO_BITS + DEPTH_BITS + DIGEST_BITS + OBS_BITS == 63  # 
 OBS_MAX = (1 << OBS_BITS) - 1
 DEPTH_LIMIT = (1 << DEPTH_BITS) - 1
 STOCK_LIMIT = 1 << DIGEST_BITS  # upstream's own [digest, -digest] stays below this
-# The in-tree module (a patched SGLang) sends depth << 42 | digest: below this.
-IN_TREE_LIMIT = 1 << 58
+IN_TREE_LIMIT = 1 << 58  # the in-tree module's depth << 42 | digest stays below this
+# The layout flags ([f, -f] after the stamp), by bit: sections and shared settings.
+STORAGE_FLAG, VOTES_FLAG, VOTES_SETTING_FLAG = 0, 1, 2
+# The decode offload agreement's code in upstream's int32[2]: above any queue size.
+OFFLOAD_CODE = 1 << 30
 
 
 class Handle(Protocol):
@@ -87,11 +71,8 @@ class Stamp:
 
 
 def fold_digest(digest: int) -> int:
-    """``digest`` in 42 bits. Upstream's tree cores mask theirs to 42 bits (kept
-    as is); a wider one (a registered external tree core) has its high bits
-    XOR-folded into the low 42, so a divergence above bit 42 still changes the
-    result, where ``% 2**42`` would drop it. Negative values are read as
-    two's complement (a digest taken from an int64 tensor)."""
+    """``digest`` in 42 bits: a wider one has its high bits XOR-folded into the low 42
+    (a divergence there still shows); negatives read as two's complement (int64)."""
     d = int(digest)
     if d < 0:
         d &= (1 << max(64, d.bit_length() + 1)) - 1
@@ -101,8 +82,7 @@ def fold_digest(digest: int) -> int:
 
 
 def pack_stamp(protocol: int, auto: bool, depth: int, digest: int, obs: int) -> int:
-    """A :class:`Stamp` as the int that rides in the reduce (a digest wider than
-    42 bits is folded into 42: equal digests stay equal)."""
+    """A :class:`Stamp` as the int that rides in the reduce (the digest folded)."""
     x = (protocol << AUTO_BITS) | int(auto)
     x = (x << DEPTH_BITS) | depth
     x = (x << DIGEST_BITS) | fold_digest(digest)
@@ -110,22 +90,19 @@ def pack_stamp(protocol: int, auto: bool, depth: int, digest: int, obs: int) -> 
 
 
 def stamps_differ(x: int, lo_x: int, hi_x: int) -> bool:
-    """Whether the group's min and max of the stamp differ from this rank's
-    ``x`` in any agreed field: they all sit above the observation, so they are
-    equal exactly when equal there (the observation's max rides along)."""
+    """Whether the group's min or max differs from ``x`` above the observation."""
     agreed = x >> OBS_BITS
     return lo_x >> OBS_BITS != agreed or hi_x >> OBS_BITS != agreed
 
 
 def describe_mismatch(mine: Stamp, lo: Stamp, hi: Stamp, hints: Mapping[str, str]) -> str:
-    """Why the group's stamps differ, for the operator: the most significant
-    field that differs between the group's min and max (exact min and max for
-    that field), this rank's value, and what to set."""
+    """Why the stamps differ, for the operator: the most significant field that
+    differs between min and max, this rank's value, and what to set."""
     if lo.protocol == 0:
         raw = lo.pack()  # what the peer sent (unpack and pack are exact below 2**63)
         if raw >= STOCK_LIMIT:  # [2**42, 2**58): the in-tree module's depth << 42 | digest
             return (
-                "a peer runs SGLang's in-tree HiCache ack sync (a patched tree) while this "
+                "a peer runs SGLang's in-tree ack sync (a patched tree) while this "
                 f"node runs the hicache-async-ack plugin (the peer sent {raw:#x}: depth "
                 f"{raw >> DIGEST_BITS}, digest {raw & (STOCK_LIMIT - 1)}). Run one form on "
                 "every node of the TP group: the plugin, or the patched tree without it."

@@ -1,42 +1,15 @@
-"""Engine-agnostic: the storage-prefetch decisions of one scheduling pass, as a
-section of a reduce another sync carries (:class:`VoteBook`).
+"""Engine-agnostic (no SGLang/torch): one scheduling pass's storage-prefetch decisions
+as a section of a reduce another sync carries (:class:`VoteBook`; docs/design.md).
 
-No SGLang or torch import here. Stock SGLang decides, each time a rank's
-waiting-queue walk reaches a request with an ongoing prefetch, whether that
-prefetch stops now: under the ``timeout`` policy with one blocking MAX
-all_reduce of "this rank's deadline passed" per request reached; under
-``best_effort`` at once. The rule this module serves: **every decision stock
-makes at pass p from agreed state, the plugin makes at pass p + depth + 1 from
-the state as agreed at pass p** (docs/design.md).
-
-Per interval (a walk, then whatever the scheduler does until the next pass
-boundary) the book keeps the walk's reaches in order, each with this rank's
-vote (:meth:`VoteBook.poll`, O(1), never a collective), and the requests the
-batch admitted with their prefix and extend lengths (:meth:`VoteBook.admit`).
-At the next boundary :meth:`VoteBook.close` turns the interval into one
-fixed-size section (``LAYOUT`` int64 values) riding a MIN-reduce; where that
-reduce is read back, :meth:`VoteBook.read` returns the group's verdict on every
-reach, in walk order, or raises on every rank before any verdict is used.
-
-The section: ``[n, -n]`` ongoing operations, ``[x, -x]`` a stamp (protocol,
-stop policy), ``[r, -r]`` reaches, ``[w, -w]`` a digest of the whole walk (the
-reached requests in order), ``[a, -a]`` admissions, one ``[h, -h]`` per
-position of the first ADMIT_SLOTS admissions and ``[d, -d]`` over all of them;
-then one slot ``[v, h, -h]`` per reach for the first VOTE_SLOTS reaches: v 0
-none, 2 reached with the deadline passed here, 3 reached and not; h a hash of
-the request's key. MIN over the group: v == 2 (every rank reached it, some
-rank's deadline passed: stock's MAX) is a stop; v == 0 (a rank's walk ended
-before it) a veto; min h != max h where both are set: the walks reached
-different requests there, and every rank stops (PrefetchVoteMismatch).
-
-Past the slots (a crowd: more than VOTE_SLOTS reaches in one walk) nothing
-happens at the walk. Where the section is read back every rank knows the
-group's largest reach count, so every rank runs the same number of overflow
-exchanges there, each a blocking MIN of VOTE_SLOTS more slots through the
-carrier (``exchange``): one collective per VOTE_SLOTS reaches where stock runs
-one per reach, and the walks' identity checked at every position. Under
-``best_effort`` (no vote to gather) walks that reached the same requests, by
-count and digest, need no exchange at all.
+Rule: every decision stock makes at pass p from agreed state, the plugin makes at pass
+p + depth + 1 from that state. Per interval the book keeps the walk's reaches in order
+with this rank's vote (:meth:`~VoteBook.poll`, never a collective) and the admissions;
+:meth:`~VoteBook.close` makes one ``LAYOUT``-value section: ``[v, -v]`` pairs of
+ongoing ops, stamp, reaches, walk digest, admissions (ADMIT_SLOTS hashes and a digest),
+then one ``[v, h, -h]`` slot per reach (v: 0 none, 2 expired here, 3 not; MIN == 2 is
+stock's MAX: stop; h differing: the walks diverged). :meth:`~VoteBook.read` returns the
+verdicts in walk order or raises on every rank; reaches past VOTE_SLOTS are voted in
+overflow exchanges there (best_effort walks that agree by count and digest need none).
 """
 
 from __future__ import annotations
@@ -48,10 +21,8 @@ from typing import Callable, Hashable, Mapping, NoReturn, Optional, Sequence
 from ..errors import AdmissionMismatch, PrefetchVoteError, PrefetchVoteMismatch
 from .stamp import STOCK_LIMIT, Stamp, describe_mismatch, pack_stamp, stamps_differ
 
-# The stamp's protocol field for vote sections and the votes' own first exchange.
-# Far from the ack sync's versions (1, 2, ...). 12: every reach carried in walk
-# order, the walk's digest, overflow exchanges at the consume (no collective in
-# the walk, nothing held back but the reaches).
+# The stamp's protocol field for vote sections and the votes' own first exchange (far
+# from the ack sync's versions). 12: reaches in walk order, walk digest, overflow exchanges.
 VOTES_PROTOCOL = 12
 OVERFLOW_PROTOCOL = 13  # the stamp of an overflow exchange
 VOTE_SLOTS = 256  # reaches per section, and per overflow exchange
@@ -99,9 +70,8 @@ class Reach:
 
 @dataclass(frozen=True)
 class Ballot:
-    """What one rank put in a section (handed back with the reduce).
-    ``pass_no``: the interval's boundary (the same on every rank); ``label``:
-    how the scheduler numbers that pass, for messages."""
+    """What one rank put in a section (handed back with the reduce); ``pass_no``: the
+    interval's boundary (same on every rank); ``label``: the pass, for messages."""
 
     pass_no: int
     label: str
@@ -116,12 +86,11 @@ Verdicts = list[tuple[Reach, bool]]  # every reach of an interval, in walk order
 
 
 class VoteBook:
-    """One cache's record of the current interval. Per pass boundary the owner
-    calls :meth:`close` (the interval as a section) or :meth:`discard` (no
-    section rides this boundary), and :meth:`read` on each section reduced, in
-    the order they were closed."""
+    """One cache's record of the current interval. Per boundary: :meth:`close` (a
+    section) or :meth:`discard` (none); :meth:`read` each reduced section, in order."""
 
-    def __init__(self, *, hints: Optional[Mapping[str, str]] = None):
+    def __init__(self, *, title: str, hints: Optional[Mapping[str, str]] = None) -> None:
+        self.title = title  # what the messages start with
         self.hints = dict(hints or {})
         self.reaches: list[Reach] = []
         self.admitted: list[tuple[Hashable, int, int]] = []
@@ -136,8 +105,7 @@ class VoteBook:
         self.admitted.append((key, int(prefix_len), int(extend_len)))
 
     def discard(self) -> int:
-        """A boundary with no section: the interval is dropped (its requests are
-        reached again by the next walk). Returns how many reaches it held."""
+        """No section this boundary: drop the interval; returns its reach count."""
         n = len(self.reaches)
         self.reaches, self.admitted = [], []
         self.walks += 1
@@ -159,14 +127,10 @@ class VoteBook:
         return values + slots(reaches[:VOTE_SLOTS]), ballot
 
     def read(self, ballot: Ballot, reduced: Sequence[int], exchange: Exchange) -> Verdicts:
-        """The group's verdict on every reach of ``ballot``'s interval, in walk
-        order; raises on every rank, before any verdict is used, if the ranks
-        disagree. Past the slots, ``exchange`` (a blocking MIN on the carrier's
-        group) runs the overflow exchanges, as many on every rank."""
+        """The group's verdict on every reach of ``ballot``'s interval, in walk order,
+        or a raise on every rank; ``exchange`` (a blocking MIN) runs the overflow."""
         if len(reduced) != LAYOUT:
-            raise PrefetchVoteError(
-                f"HiCache prefetch votes: reduced {len(reduced)} values, issued {LAYOUT}"
-            )
+            raise PrefetchVoteError(f"{self.title}: reduced {len(reduced)} values, issued {LAYOUT}")
         head = HEADER + ADMIT
         lo = list(reduced[0:head:2])
         hi = [-v for v in reduced[1:head:2]]
@@ -175,12 +139,11 @@ class VoteBook:
             self._set_mismatch(ballot, lo_n, hi_n, lo_x, hi_x)
         if lo[5:] != hi[5:] or lo_a != hi_a:
             self._admission_mismatch(ballot, lo_a, hi_a, lo[5:-1], hi[5:-1])
-        out = read_slots(ballot, 0, reduced[head:])
+        out = read_slots(self.title, ballot, 0, reduced[head:])
         if hi_r <= VOTE_SLOTS:
             return out
         if ballot.policy == "best_effort" and lo_r == hi_r and lo_w == hi_w:
-            # Every rank's walk reached the same requests: best_effort stops
-            # each (no vote to gather, as stock's walk takes none).
+            # every walk reached the same requests: best_effort stops each (no vote)
             return out + [(r, True) for r in ballot.reaches[VOTE_SLOTS:]]
         chunks = -(-(hi_r - VOTE_SLOTS) // VOTE_SLOTS)
         for c in range(1, chunks + 1):
@@ -189,12 +152,12 @@ class VoteBook:
             got = exchange(pairs([x, c]) + slots(part))
             if len(got) != OVERFLOW_LAYOUT:
                 raise PrefetchVoteError(
-                    f"HiCache prefetch votes: overflow exchange reduced {len(got)} values, "
+                    f"{self.title}: overflow exchange reduced {len(got)} values, "
                     f"issued {OVERFLOW_LAYOUT}"
                 )
             if stamps_differ(x, got[0], -got[1]) or got[2] != -got[3] or got[2] != c:
                 self._set_mismatch(ballot, lo_n, hi_n, got[0], -got[1])
-            out += read_slots(ballot, c, got[4:])
+            out += read_slots(self.title, ballot, c, got[4:])
         return out
 
     def _set_mismatch(self, b: Ballot, lo_n: int, hi_n: int, lo_x: int, hi_x: int) -> NoReturn:
@@ -209,7 +172,7 @@ class VoteBook:
                 f"group: this rank {b.n}, group min {lo_n}, max {hi_n} (ranks diverged)."
             )
         raise PrefetchVoteMismatch(
-            f"HiCache prefetch votes: ranks disagree on the votes of scheduling pass "
+            f"{self.title}: ranks disagree on the votes of scheduling pass "
             f"{b.label}: {why} No verdict was used; stopping."
         )
 
@@ -220,10 +183,13 @@ class VoteBook:
         if at is None:  # the first ADMIT_SLOTS agree; only the digest of the rest differs
             first = f"past request #{ADMIT_SLOTS} of the batch (the first {ADMIT_SLOTS} agree)"
         else:
-            mine = describe_admission(b.admitted[at]) if at < len(b.admitted) else "nothing"
+            mine = "nothing"
+            if at < len(b.admitted):
+                key, prefix, extend = b.admitted[at]
+                mine = f"{describe_key(key)} with prefix {prefix} and extend {extend} tokens"
             first = f"request #{at + 1} of the batch, where this rank admitted {mine}"
         raise AdmissionMismatch(
-            f"HiCache prefetch votes: ranks admitted different requests to the batch in "
+            f"{self.title}: ranks admitted different requests to the batch in "
             f"scheduling pass {b.label}: the first difference is {first} "
             f"(this rank admitted {len(b.admitted)}, the group {lo_a} to "
             f"{hi_a}). The TP ranks would run different batches: their waiting-queue walks "
@@ -246,7 +212,7 @@ def slots(reaches: Sequence[Reach]) -> list[int]:
     return out
 
 
-def read_slots(b: Ballot, chunk: int, reduced: Sequence[int]) -> Verdicts:
+def read_slots(title: str, b: Ballot, chunk: int, reduced: Sequence[int]) -> Verdicts:
     """The verdicts of chunk ``chunk`` (VOTE_SLOTS reaches each) of ``b``'s walk."""
     out: Verdicts = []
     first = chunk * VOTE_SLOTS
@@ -254,7 +220,7 @@ def read_slots(b: Ballot, chunk: int, reduced: Sequence[int]) -> Verdicts:
         v, lo_h, hi_h = reduced[SLOT * i], reduced[SLOT * i + 1], -reduced[SLOT * i + 2]
         if lo_h != 0 and lo_h != hi_h:
             raise PrefetchVoteMismatch(
-                f"HiCache prefetch votes: the ranks' waiting-queue walks of scheduling pass "
+                f"{title}: the ranks' waiting-queue walks of scheduling pass "
                 f"{b.label} reached different requests at position {first + i + 1} (this "
                 f"rank: {describe_key(r.key)}): their waiting queues diverged "
                 f"({SKEW_ISSUE}). No verdict was used; stopping."
@@ -270,23 +236,5 @@ def describe_key(key: Hashable) -> str:
     return repr(key)
 
 
-def describe_admission(entry: tuple[Hashable, int, int]) -> str:
-    key, prefix, extend = entry
-    return f"{describe_key(key)} with prefix {prefix} and extend {extend} tokens"
-
-
-__all__ = [
-    "ADMIT_SLOTS",
-    "LAYOUT",
-    "OVERFLOW_LAYOUT",
-    "POLICIES",
-    "VOTES_PROTOCOL",
-    "VOTE_SLOTS",
-    "Ballot",
-    "Exchange",
-    "Reach",
-    "Verdicts",
-    "VoteBook",
-    "pairs",
-    "seq_digest",
-]
+__all__ = ["ADMIT_SLOTS", "LAYOUT", "OVERFLOW_LAYOUT", "POLICIES", "VOTES_PROTOCOL", "VOTE_SLOTS",
+    "Ballot", "Exchange", "Reach", "Verdicts", "VoteBook", "pairs", "seq_digest"]  # fmt: skip

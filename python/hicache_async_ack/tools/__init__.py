@@ -1,2 +1,10 @@
-"""The runtime's one command, ``hicache-async-ack doctor``, with the rank
-spawner and option types it shares with the lab (``hicache_async_ack_lab``)."""
+"""The runtime's one command, ``hicache-async-ack doctor``, and what the lab
+shares of it: the rank spawner and the option types."""
+
+from .cli import LAB_COMMANDS, LAB_PROG, main
+from .doctor import diagnose
+from .options import int_in, nonneg_float, ranks_and_step_parent, subcommand
+from .ranks import Job, RankContext, RanksFailed, run_ranks
+
+__all__ = ["LAB_COMMANDS", "LAB_PROG", "Job", "RankContext", "RanksFailed", "diagnose", "int_in",
+    "main", "nonneg_float", "ranks_and_step_parent", "run_ranks", "subcommand"]  # fmt: skip

@@ -1,67 +1,29 @@
 """``hicache-async-ack`` command line: ``doctor``, the one command of the runtime
 wheel. The lab's commands (``bench``, ``bench-server``, ``cpu-server``,
-``mooncake-master``, ``upstream-patch``) are ``hicache-async-ack-lab``'s, in the
-``hicache-async-ack-lab`` distribution; :func:`run` is the runner both share."""
+``mooncake-master``, ``upstream-patch``, ``differential``) are
+``hicache-async-ack-lab``'s, in the ``hicache-async-ack-lab`` distribution."""
 
 from __future__ import annotations
 
 import argparse
 import signal
 import sys
-from typing import Callable, Iterable, Optional, Sequence
+from types import FrameType
+from typing import Optional, Sequence
 
 from .. import __version__
 from . import doctor
-from .options import ToolError
 from .ranks import RanksFailed
 
 # The lab's commands: named here (not imported) so a runtime-only install says
 # where they went instead of argparse's bare "invalid choice".
-LAB_COMMANDS = (
-    "bench",
-    "bench-server",
-    "cpu-server",
-    "mooncake-master",
-    "upstream-patch",
-    "differential",
-)
+LAB_COMMANDS = ("bench", "bench-server", "cpu-server", "mooncake-master", "upstream-patch",
+                "differential")  # fmt: skip
 LAB_PROG = "hicache-async-ack-lab"
 
 
-def build_parser(
-    prog: str, description: str, adders: Iterable[Callable], passthrough: bool = False
-) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for add in adders:
-        add(sub)
-    return parser
-
-
-def _terminate(signum, frame):
+def _terminate(signum: int, frame: Optional[FrameType]) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def run(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> int:
-    """Parse and run one command: SIGTERM tears ranks down as Ctrl-C does, and a
-    tool's own error is one line on stderr, exit 1."""
-    # cpu-server passes what it does not know on to launch_server; nothing else may.
-    args, rest = parser.parse_known_args(argv)
-    if rest and not getattr(args, "passthrough", False):
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    args.rest = rest
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    try:
-        return args.func(args)
-    except KeyboardInterrupt:
-        print(f"{parser.prog} {args.command}: interrupted; ranks killed", file=sys.stderr)
-        return 130
-    except (ToolError, RanksFailed) as exc:
-        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -74,13 +36,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             file=sys.stderr,
         )
         return 2
-    parser = build_parser(
-        "hicache-async-ack",
-        "SGLang plugin that pipelines the per-step HiCache ack-count all_reduce. "
+    parser = argparse.ArgumentParser(
+        prog="hicache-async-ack",
+        description="SGLang plugin that pipelines the per-step HiCache ack-count all_reduce. "
         "`doctor` says whether this host is affected and whether the plugin is live.",
-        [doctor.add_parser],
     )
-    return run(parser, argv)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    doctor.add_parser(sub)
+    args = parser.parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)  # SIGTERM kills ranks as Ctrl-C does
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print(f"{parser.prog} {args.command}: interrupted; ranks killed", file=sys.stderr)
+        return 130
+    except RanksFailed as exc:
+        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,5 @@
-"""``hicache-async-ack doctor``: would the plugin be active here, and what does
-the blocking path cost on this host?
-
-Exit status 0 when SGLang's loader would pick the plugin up and it would run
-(installed entry point, allowed by SGLANG_PLUGINS, enabled, valid settings, an
-SGLang whose fingerprints match a tested release or the untested opt-in); 1
-otherwise. The gloo latency measurement is informational.
-"""
+"""``hicache-async-ack doctor``: would the plugin be active here (exit 0, else 1), and
+what does the blocking path cost on this host (gloo latency, informational)?"""
 
 from __future__ import annotations
 
@@ -36,8 +30,9 @@ from ..env import (
     plugin_whitelisted,
 )
 from ..guard import check_installed
+from ..names import SYNCS
 from .options import int_in, subcommand
-from .ranks import Job, run_ranks
+from .ranks import Job, RankContext, run_ranks
 
 GROUP = "sglang.srt.plugins"
 DEFAULT_ROUNDS = 200
@@ -48,6 +43,8 @@ TENSOR_LEN = 10
 class Report:
     lines: list[tuple[str, str]] = field(default_factory=list)
     blockers: list[str] = field(default_factory=list)
+    live: list[str] = field(default_factory=list)  # the syncs that would run
+    down: list[str] = field(default_factory=list)  # "sync (why)" for those standing down
 
     def add(self, key: str, value: str) -> None:
         self.lines.append((key, value))
@@ -56,7 +53,7 @@ class Report:
         self.blockers.append(why)
 
 
-def allreduce_rank(ctx, cfg: dict) -> dict:
+def allreduce_rank(ctx: RankContext, cfg: dict[str, Any]) -> dict[str, Any]:
     """Per round: align the ranks with a broadcast (the scheduler's
     recv_requests), time one blocking MIN all_reduce of a small int64 tensor,
     then idle a little, as between scheduler steps."""
@@ -96,61 +93,32 @@ def measure_allreduce(tp: int, rounds: int, gap_ms: float = 1.0) -> dict:
     return {"median": float(median), "p90": float(p90), "n": len(lat)}
 
 
-def _entry_point():
+def _entry_point() -> Any:
     from importlib.metadata import entry_points
 
-    for ep in entry_points(group=GROUP):
-        if ep.name == ENTRY_POINT_NAME:
-            return ep
-    return None
+    return next((ep for ep in entry_points(group=GROUP) if ep.name == ENTRY_POINT_NAME), None)
 
 
-# Every variable the plugin reads: (variable, parser, default, what the value
-# means, why it would keep the plugin from running or None).
+# Every variable the plugin reads: (variable, parser, default, what the value means,
+# why it would keep the plugin from running or None).
 Describe = Callable[[Any], str]
 SETTINGS: tuple[tuple[str, Callable, Any, Describe, Callable[[Any], Optional[str]]], ...] = (
-    (
-        ENABLE_VAR,
-        parse_bool,
-        ENABLE_DEFAULT,
-        lambda on: "enabled" if on else "DISABLED",
-        lambda on: None if on else f"{ENABLE_VAR}=0 keeps the blocking path",
-    ),
+    (ENABLE_VAR, parse_bool, ENABLE_DEFAULT, lambda on: "enabled" if on else "DISABLED",
+     lambda on: None if on else f"{ENABLE_VAR}=0 keeps the blocking path"),
     (DEPTH_VAR, parse_depth, DEPTH_DEFAULT, lambda depth: f"depth {depth}", lambda _: None),
-    (
-        ALLOW_UNTESTED_VAR,
-        parse_bool,
-        ALLOW_UNTESTED_DEFAULT,
-        lambda on: f"on an untested SGLang the plugin {'runs' if on else 'stays inert'}",
-        lambda _: None,
-    ),
-    (
-        PREFETCH_VOTES_VAR,
-        parse_bool,
-        PREFETCH_VOTES_DEFAULT,
-        lambda on: (
-            "on: with a storage backend under the timeout policy (TP > 1, no PP), the "
-            "prefetch votes ride the ack-count reduce (whether this SGLang runs them: "
-            "'supported: prefetch_votes' above)"
-            if on
-            else "off: one blocking reduce per waiting prefetch"
-        ),
-        lambda _: None,
-    ),
-    (
-        OFFLOAD_SYNC_VAR,
-        parse_bool,
-        OFFLOAD_SYNC_DEFAULT,
-        lambda on: (
-            "on: with --disaggregation-decode-enable-offload-kvcache (TP > 1) the decode "
-            "offload sync pipelines (whether this SGLang runs it: 'supported: "
-            "decode_offload' above)"
-            if on
-            else "off"
-        ),
-        lambda _: None,
-    ),
-)
+    (ALLOW_UNTESTED_VAR, parse_bool, ALLOW_UNTESTED_DEFAULT,
+     lambda on: f"on an untested SGLang the plugin {'runs' if on else 'stays inert'}",
+     lambda _: None),
+    (PREFETCH_VOTES_VAR, parse_bool, PREFETCH_VOTES_DEFAULT,
+     lambda on: "on: with a storage backend under the timeout policy (TP > 1, no PP), the "
+     "prefetch votes ride the ack-count reduce (whether this SGLang runs them: "
+     "'supported: prefetch_votes' above)" if on
+     else "off: one blocking reduce per waiting prefetch", lambda _: None),
+    (OFFLOAD_SYNC_VAR, parse_bool, OFFLOAD_SYNC_DEFAULT,
+     lambda on: "on: with --disaggregation-decode-enable-offload-kvcache (TP > 1) the decode "
+     "offload sync pipelines (whether this SGLang runs it: 'supported: "
+     "decode_offload' above)" if on else "off", lambda _: None),
+)  # fmt: skip
 
 
 def _add_settings(rep: Report) -> None:
@@ -189,23 +157,25 @@ def _add_upstream(rep: Report) -> None:
     rep.add("fingerprints", "each method the hooks wrap or rely on, against the recorded ones")
     for m in verdict.methods:
         rep.add(f"  {m.target.label}", m.describe())
-    live = 0
     for judged in verdict.features():
         summary = judged.summary(verdict)
         key = f"supported: {judged.feature}"
         if judged.status == "tested":
             rep.add(key, f"yes: {summary}")
-            live += 1
+            rep.live.append(judged.feature)
         elif judged.status == "absent":
             rep.add(key, f"not here: {summary} (it stands down; the others are judged alone)")
+            rep.down.append(f"{judged.feature} (not in this release)")
         elif judged.status == "incompatible":
             rep.add(key, f"NO, stands down: {summary}")
+            rep.down.append(f"{judged.feature} (incompatible methods)")
         elif untested_ok:
             rep.add(key, f"UNTESTED, running anyway ({ALLOW_UNTESTED_VAR}): {summary}")
-            live += 1
+            rep.live.append(judged.feature)
         else:
             rep.add(key, f"NO, stands down: {summary} ({ALLOW_UNTESTED_VAR}=1 runs it anyway)")
-    if not live:
+            rep.down.append(f"{judged.feature} (untested methods: {', '.join(judged.changed)})")
+    if not rep.live:
         rep.block(
             f"no feature of the plugin would run on this SGLang (tested: {verdict.range_text})"
         )
@@ -214,11 +184,14 @@ def _add_upstream(rep: Report) -> None:
 def diagnose(tp: int, step_ms: float, rounds: int) -> Report:
     from importlib import metadata
 
+    def version(dist: str) -> Optional[str]:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
     rep = Report()
-    try:
-        dist_version = metadata.version("hicache-async-ack")
-    except metadata.PackageNotFoundError:
-        dist_version = None
+    dist_version = version("hicache-async-ack")
     # the package's own directory, not this module's (tools/)
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     plugin = f"{__version__} ({here})"
@@ -228,16 +201,8 @@ def diagnose(tp: int, step_ms: float, rounds: int) -> Report:
         plugin += f"; installed metadata says {dist_version} (stale install?)"
     rep.add("plugin", f"hicache-async-ack {plugin}")
 
-    try:
-        sglang_version = metadata.version("sglang")
-    except metadata.PackageNotFoundError:
-        sglang_version = None
-    try:
-        torch_version = metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        torch_version = None
-    rep.add("SGLang", sglang_version or "not installed")
-    rep.add("torch", torch_version or "not installed")
+    rep.add("SGLang", version("sglang") or "not installed")
+    rep.add("torch", version("torch") or "not installed")
 
     _add_upstream(rep)
 
@@ -256,6 +221,14 @@ def diagnose(tp: int, step_ms: float, rounds: int) -> Report:
         rep.add(PLUGINS_VAR, f"{raw_plugins!r} -> SKIPPED ({ENTRY_POINT_NAME} not listed)")
         rep.block(f"{PLUGINS_VAR}={raw_plugins!r} does not list {ENTRY_POINT_NAME}")
     _add_settings(rep)
+    for sync in SYNCS:  # a sync its own setting turns off stands down too
+        try:
+            on = parse_bool(sync.setting, os.environ.get(sync.setting), True)
+        except ValueError:
+            continue  # invalid: reported (and blocking) with the settings
+        if sync.name in rep.live and not on:
+            rep.live.remove(sync.name)
+            rep.down.append(f"{sync.name} ({sync.setting}=0)")
 
     if rounds > 0:
         try:
@@ -280,7 +253,7 @@ def diagnose(tp: int, step_ms: float, rounds: int) -> Report:
     return rep
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     rep = diagnose(args.tp, args.step_ms, args.rounds)
     width = max(len(k) for k, _ in rep.lines)
@@ -292,7 +265,11 @@ def run(args) -> int:
         for b in rep.blockers:
             print(f"  - {b}")
         return 1
-    print("verdict: plugin ACTIVE - SGLang's loader applies it in every process")
+    line = "verdict: plugin ACTIVE - SGLang's loader applies it in every process; live: "
+    line += ", ".join(rep.live)
+    if rep.down:
+        line += f"; standing down: {'; '.join(rep.down)}"
+    print(line)
     return 0
 
 
@@ -304,7 +281,7 @@ DESCRIPTION = (
 )
 
 
-def add_parser(sub) -> argparse.ArgumentParser:
+def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = subcommand(sub, "doctor", SUMMARY, DESCRIPTION)
     p.add_argument(
         "--rounds",

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 MAX_TP = 64
 DEFAULT_TP = 4
 DEFAULT_STEP_MS = 11.0
-
-
-class ToolError(RuntimeError):
-    """A tool cannot give a result (bad combination of options, failed run)."""
 
 
 def int_in(name: str, lo: int, hi: Optional[int] = None, why: str = "") -> Callable[[str], int]:
@@ -48,7 +44,9 @@ def nonneg_float(name: str, unit: str) -> Callable[[str], float]:
     return parse
 
 
-def subcommand(sub, name: str, summary: str, description: str, **kw) -> argparse.ArgumentParser:
+def subcommand(
+    sub: Any, name: str, summary: str, description: str, **kw: Any
+) -> argparse.ArgumentParser:
     """A subcommand parser with the options every tool shares (--tp, --step-ms)."""
     return sub.add_parser(
         name, parents=[ranks_and_step_parent()], help=summary, description=description, **kw

@@ -1,16 +1,9 @@
 """Start a set of gloo ranks on 127.0.0.1, run a function in each, collect results.
 
-The one rank spawner of the project (bench, doctor and the multi-rank tests).
-Ranks are forked from the calling process, which imports what they need once
-(SGLang's cache module costs 10-15 s of CPU per import). The calling process
-must be clean: it must not have applied any plugin hooks, since forked ranks
-inherit its classes. The bench and doctor are; pytest's process is not, so the
-tests call :func:`run_fresh`, which runs the same spawner in a fresh interpreter
-(``python -m hicache_async_ack.tools.ranks``), several rank sets in a row.
-
-Every rank joins a gloo group over a FileStore with an explicit timeout,
-binds to the loopback interface, runs in its own process group, dies with its
-parent, and is SIGKILLed when the run ends, fails, times out or is interrupted.
+The project's one rank spawner (doctor, the lab's bench and multi-rank tests). Ranks are
+forked from the caller, which imports what they need once and must not have applied any
+plugin hooks. Each rank joins a gloo group over a FileStore with a timeout, binds to the
+loopback, runs in its own process group, dies with its parent, and is SIGKILLed at the end.
 """
 
 from __future__ import annotations
@@ -23,23 +16,15 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from contextlib import suppress
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
-
-# What SGLang-driving ranks need, imported once before forking.
-SGLANG_PRELOAD = (
-    "torch.distributed",
-    "sglang.srt.managers.cache_controller",
-    "sglang.srt.mem_cache.unified_radix_cache",
-    "sglang.srt.plugins",
-)
 
 
 class RanksFailed(RuntimeError):
@@ -84,29 +69,24 @@ def loopback_ifname() -> Optional[str]:
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    try:
+    with suppress(Exception):  # best effort; the parent also kills us
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except Exception:  # best effort; the parent also kills us
-        pass
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     if os.getppid() != parent_pid:
         os._exit(70)
 
 
-def _write_json(path: Path, obj) -> None:
+def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj))
     os.replace(tmp, path)
 
 
-def _rank_main(job: Job, rank: int, workdir: str, progress, parent_pid: int) -> None:
+def _rank_main(job: Job, rank: int, workdir: str, progress: Any, parent_pid: int) -> None:
     """Body of a forked rank: rendezvous, run the target, write its result."""
-    try:
+    with suppress(OSError):
         os.setpgid(0, 0)
-    except OSError:
-        pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and kills us
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with_parent(parent_pid)
@@ -145,18 +125,14 @@ def _rank_main(job: Job, rank: int, workdir: str, progress, parent_pid: int) -> 
     os._exit(0)  # skip the parent's atexit handlers and gloo teardown
 
 
-def _kill(procs) -> None:
+def _kill(procs: list[Any]) -> None:
     for p in procs:
         if p.exitcode is not None:
             continue
-        try:
+        with suppress(OSError):
             os.killpg(p.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        try:
+        with suppress(OSError, ValueError):
             p.kill()
-        except (OSError, ValueError):
-            pass
     for p in procs:
         p.join(timeout=5)
 
@@ -172,15 +148,13 @@ def _how(code: Optional[int]) -> str:
     return f"exited with code {code}"
 
 
-def _describe_failures(procs, workdir: Path, job: Job) -> str:
+def _describe_failures(procs: list[Any], workdir: Path, job: Job) -> str:
     errors = []
     for rank in range(len(procs)):
         f = workdir / f"rank{rank}.error.json"
         if f.exists():
-            try:
+            with suppress(ValueError):
                 errors.append(json.loads(f.read_text()))
-            except ValueError:
-                pass
     errors.sort(key=lambda e: e["time"])
     lines = [
         f"rank {rank} {_how(p.exitcode)}"
@@ -204,10 +178,9 @@ def run_ranks(
     on_progress: Optional[Callable[[list[int]], None]] = None,
     poll_s: float = 0.2,
 ) -> list[Optional[dict]]:
-    """Fork ``job.world_size`` ranks and return their results, in rank order
-    (None for an allowed rank that died). Raises RanksFailed if another rank
-    dies or the ranks outlive ``job.timeout_s``; every rank is killed before
-    this returns or raises (also on KeyboardInterrupt)."""
+    """Fork ``job.world_size`` ranks and return their results in rank order (None for an
+    allowed rank that died); RanksFailed if another dies or they outlive the timeout.
+    Every rank is killed before this returns or raises."""
     job.resolve()  # import the target here, once, not in every rank
     ctx = multiprocessing.get_context("fork")
     progress = ctx.Array("q", [-1] * job.world_size, lock=False)
@@ -223,10 +196,8 @@ def run_ranks(
             )
             p.start()
             assert p.pid is not None
-            try:
+            with suppress(OSError):
                 os.setpgid(p.pid, p.pid)  # also done by the child; whichever is first
-            except OSError:
-                pass
             procs.append(p)
         deadline = time.monotonic() + job.timeout_s
         while True:
@@ -259,79 +230,3 @@ def run_ranks(
     finally:
         _kill(procs)
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def run_fresh(
-    jobs: list[Job],
-    *,
-    env: Optional[dict[str, str]] = None,
-    preload: tuple[str, ...] = SGLANG_PRELOAD,
-) -> list:
-    """Run ``jobs`` one after another in a fresh interpreter (which imports
-    ``preload`` once and forks every rank set from it). Returns, per job, the
-    ranks' results or the RanksFailed it raised."""
-    tmp = Path(tempfile.mkdtemp(prefix="hicache-async-ack-jobs-"))
-    spec = {"preload": list(preload), "jobs": [asdict(j) for j in jobs]}
-    (tmp / "jobs.json").write_text(json.dumps(spec))
-    log = tmp / "launcher.log"
-    timeout = 180.0 + sum(j.timeout_s for j in jobs)
-    cmd = [sys.executable, "-m", __name__, str(tmp / "jobs.json"), str(tmp / "out.json")]
-    try:
-        with open(log, "w") as f:
-            proc = subprocess.Popen(
-                cmd,
-                env=dict(os.environ if env is None else env, PYTHONUNBUFFERED="1"),
-                stdout=f,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        out = tmp / "out.json"
-        if proc.returncode != 0 or not out.exists():
-            raise RanksFailed(f"rank launcher {_how(proc.returncode)}:\n{log.read_text()[-4000:]}")
-        return [
-            RanksFailed(r["error"]) if "error" in r else r["results"]
-            for r in json.loads(out.read_text())
-        ]
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def main(argv: list[str]) -> int:
-    """Launcher body for :func:`run_fresh`: preload, then run each job."""
-    jobs_file, out_file = argv
-    spec = json.loads(Path(jobs_file).read_text())
-    for module in spec["preload"]:
-        importlib.import_module(module)
-    out: list[dict[str, Any]] = []
-    for raw in spec["jobs"]:
-        raw["rank_env"] = {int(k): v for k, v in raw["rank_env"].items()}
-        raw["allow_exit"] = tuple(raw["allow_exit"])
-        try:
-            out.append({"results": run_ranks(Job(**raw))})
-        except RanksFailed as exc:
-            out.append({"error": str(exc)})
-    _write_json(Path(out_file), out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
-
-
-def preload(quiet: bool, *modules: str) -> None:
-    """Import SGLang and the rank target's modules once, before forking the ranks."""
-    import warnings
-
-    t = time.monotonic()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for module in (*SGLANG_PRELOAD, *modules):
-            importlib.import_module(module)
-    if not quiet:
-        took = time.monotonic() - t
-        print(f"imported sglang once for all ranks in {took:.1f} s", file=sys.stderr)

@@ -6,9 +6,9 @@ rounds' order."""
 from __future__ import annotations
 
 from hicache_async_ack.env import ENABLE_VAR
-from hicache_async_ack.tools.options import ToolError
 from hicache_async_ack_lab.bench import multiturn
 from hicache_async_ack_lab.bench.server_report import configs
+from hicache_async_ack_lab.cli_support import ToolError
 
 ARMS = ("l1", "stock", "plugin", "bound", "local", "dedicated")
 # local: the plugin with its reduces answered locally; dedicated: on a group of their own

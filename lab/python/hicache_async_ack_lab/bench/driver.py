@@ -14,8 +14,7 @@ from typing import Callable, Optional
 
 from hicache_async_ack import __version__
 from hicache_async_ack.env import DEPTH_AUTO, DEPTH_DEFAULT, DEPTH_MAX, DEPTH_VAR, PLUGINS_VAR
-from hicache_async_ack.tools.options import ToolError, int_in, nonneg_float, subcommand
-from hicache_async_ack.tools.ranks import Job, preload, run_ranks
+from hicache_async_ack.tools import Job, int_in, nonneg_float, run_ranks, subcommand
 from hicache_async_ack_lab.bench import offload, plot, prefetch, summary
 from hicache_async_ack_lab.bench.workload import (
     BLOCKING_PLUGINS,
@@ -25,6 +24,8 @@ from hicache_async_ack_lab.bench.workload import (
     ArmSpec,
     Schedule,
 )
+from hicache_async_ack_lab.cli_support import ToolError
+from hicache_async_ack_lab.fresh import preload
 
 REDUCE_GROUPS = ("shared", "dedicated")
 MIN_STEPS = 20

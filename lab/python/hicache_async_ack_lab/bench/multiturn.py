@@ -25,8 +25,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
-from hicache_async_ack.tools.options import ToolError
+from hicache_async_ack_lab.cli_support import ToolError
 
 CHAT_TEMPLATE = "chatml"  # SGLang's built-in; the bundled tokenizer carries none
 
@@ -116,10 +117,25 @@ def run_client(
     """bench_serving once per argv, in one interpreter; its results and load averages."""
     spec, loads = workdir / f"client-{name}.json", workdir / f"load-{name}.json"
     spec.write_text(json.dumps(argvs))
+    module = ["hicache_async_ack_lab.bench.multiturn", str(spec), str(loads)]
+    return run_bench_client(module, argvs, workdir, name, timeout_s), json.loads(loads.read_text())
+
+
+def run_bench_client(
+    module: list[str],
+    argvs: list[list[str]],
+    workdir: Path,
+    name: str,
+    timeout_s: float,
+    spawn: Callable[..., subprocess.Popen] = subprocess.Popen,
+) -> list[dict]:
+    """THE client runner: ``python -m module...`` (it runs bench_serving once per
+    argv) in a session of its own, through ``spawn`` (a PD pair's namespace);
+    killed with its group on a timeout, Ctrl-C or SIGTERM; the runs' results."""
     log = workdir / f"bench-{name}.log"
-    cmd = [sys.executable, "-m", "hicache_async_ack_lab.bench.multiturn", str(spec), str(loads)]
+    cmd = [sys.executable, "-m", *module]
     with open(log, "ab") as f:
-        proc = subprocess.Popen(
+        proc = spawn(
             cmd,
             stdout=f,
             stderr=subprocess.STDOUT,
@@ -138,8 +154,7 @@ def run_client(
     if rc != 0 or not all(o.exists() for o in outs):
         tail = log.read_text(errors="replace").splitlines()[-30:]
         raise ToolError(f"bench_serving failed (exit {rc}); its log {log}:\n" + "\n".join(tail))
-    results = [json.loads(o.read_text().strip().splitlines()[-1]) for o in outs]
-    return results, json.loads(loads.read_text())
+    return [json.loads(o.read_text().strip().splitlines()[-1]) for o in outs]
 
 
 def main(argv: list[str]) -> int:

@@ -18,8 +18,9 @@ import sys
 import time
 
 from hicache_async_ack.env import ENABLE_VAR, ENTRY_POINT_NAME, OFFLOAD_SYNC_VAR, PLUGINS_VAR
-from hicache_async_ack.tools.options import ToolError
-from hicache_async_ack.tools.ranks import Job, preload, run_ranks
+from hicache_async_ack.tools import Job, run_ranks
+from hicache_async_ack_lab.cli_support import ToolError
+from hicache_async_ack_lab.fresh import preload
 
 ARMS = ("blocking", "pipelined", "bound")
 BENCH_RANK_MODULE = "hicache_async_ack_lab.bench.rank_loop"  # preloaded as the ack bench does
@@ -42,9 +43,9 @@ def offload_rank(ctx, cfg: dict) -> dict:
         os.environ[PLUGINS_VAR] = "none_selected"
     load_plugins()
     if arm == "pipelined" and latency_s:
-        from hicache_async_ack.kit import collectives as adapter
+        from hicache_async_ack_lab.plugin_env import wrap_async_min
 
-        adapter.use_async_min(lambda base: lambda g: delayed(base(g), lambda: latency_s))
+        wrap_async_min(lambda base: lambda g: delayed(base(g), lambda: latency_s))
     real = torch.distributed.all_reduce
     if arm == "bound":
         torch.distributed.all_reduce = lambda *a, **k: None
@@ -84,9 +85,9 @@ def offload_rank(ctx, cfg: dict) -> dict:
     window_s = time.perf_counter() - t_window
     torch.distributed.all_reduce = real
     dist.barrier()
-    from hicache_async_ack.features.decode_offload import FEATURE
+    from hicache_async_ack.sglang_plugin import state_of
 
-    state = FEATURE.state_of(om.manager)
+    state = state_of(om.manager, "decode_offload")
     return {
         "check_ms": check_ms,
         "window_s": window_s,

@@ -41,10 +41,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Optional, Sequence
 
-from hicache_async_ack.tools.options import ToolError
+from hicache_async_ack_lab.bench.multiturn import run_bench_client
 from hicache_async_ack_lab.bench.pd_report import (
     FIGURES,
     PD_ARMS,
@@ -56,6 +57,7 @@ from hicache_async_ack_lab.bench.pd_report import (
     sync_table,
     title_of,
 )
+from hicache_async_ack_lab.cli_support import ToolError
 
 GAUGE = "sglang:hicache_decode_offload_sync_pipelined"
 CLIENT_TIMEOUT_S = 900.0
@@ -86,31 +88,15 @@ def run_client(pair, argvs: list[list[str]], workdir: Path, name: str,
                latency_file: Optional[Path] = None) -> list[dict]:  # fmt: skip
     """bench_serving once per argv, in one interpreter born in the pair's namespace;
     with ``latency_file``, run i starts once the file says ``latencies[i]``."""
-    spec, log = workdir / f"client-{name}.json", workdir / f"bench-{name}.log"
+    spec = workdir / f"client-{name}.json"
     lats: list[Optional[float]] = list(latencies) if latencies else [None] * len(argvs)
     spec.write_text(json.dumps({
         "latency_file": str(latency_file) if latency_file else None,
         "runs": [{"argv": a, "latency_ms": lat} for a, lat in zip(argvs, lats)],
     }))  # fmt: skip
-    cmd = [sys.executable, "-m", "hicache_async_ack_lab.bench.pd", str(spec)]
-    with open(log, "ab") as f:
-        proc = pair.ns.call(
-            subprocess.Popen, cmd, stdout=f, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-        try:
-            rc = proc.wait(CLIENT_TIMEOUT_S * len(argvs))
-        except BaseException:  # a timeout, Ctrl-C or SIGTERM: the client goes too
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            rc = -9
-            if not isinstance(sys.exc_info()[1], subprocess.TimeoutExpired):
-                raise
-    outs = [Path(a[a.index("--output-file") + 1]) for a in argvs]
-    if rc != 0 or not all(o.exists() for o in outs):
-        tail = log.read_text(errors="replace").splitlines()[-30:]
-        raise ToolError(f"bench_serving failed (exit {rc}); its log {log}:\n" + "\n".join(tail))
-    return [json.loads(o.read_text().strip().splitlines()[-1]) for o in outs]
+    module = ["hicache_async_ack_lab.bench.pd", str(spec)]
+    spawn = partial(pair.ns.call, subprocess.Popen)
+    return run_bench_client(module, argvs, workdir, name, CLIENT_TIMEOUT_S, spawn)
 
 
 def arm_of(arm: str) -> dict:

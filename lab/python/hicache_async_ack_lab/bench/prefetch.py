@@ -27,8 +27,9 @@ from types import SimpleNamespace
 from typing import Optional
 
 from hicache_async_ack.env import ENABLE_VAR, ENTRY_POINT_NAME, PLUGINS_VAR, PREFETCH_VOTES_VAR
-from hicache_async_ack.tools.options import ToolError
-from hicache_async_ack.tools.ranks import Job, preload, run_ranks
+from hicache_async_ack.tools import Job, run_ranks
+from hicache_async_ack_lab.cli_support import ToolError
+from hicache_async_ack_lab.fresh import preload
 
 ARMS = ("blocking", "acks_only", "pipelined", "bound")
 BENCH_RANK_MODULE = "hicache_async_ack_lab.bench.rank_loop"  # preloaded as the ack bench does
@@ -52,12 +53,9 @@ def prefetch_rank(ctx, cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from hicache_async_ack.features.ack_sync import after_init_hicache
-    from hicache_async_ack.features.vote_hooks import (
-        after_init_hicache as after_init_hicache_prefetch,
-    )
-    from hicache_async_ack.kit import collectives as adapter
+    from hicache_async_ack.sglang_plugin import init_cache
     from hicache_async_ack_lab.bench.workload import delayed_all_reduce, local_no_op
+    from hicache_async_ack_lab.plugin_env import wrap_async_min
     from hicache_async_ack_lab.sim.cache import build_cache
     from hicache_async_ack_lab.sim.collectives import delayed
     from hicache_async_ack_lab.sim.prefetch import add_prefetch
@@ -67,9 +65,9 @@ def prefetch_rank(ctx, cfg: dict) -> dict:
     latency_s = cfg["latency_ms"] / 1000.0
     _load(arm)
     async_calls = [0]
-    adapter.use_async_min(counting(async_calls))  # every async all_reduce the plugin issues
+    wrap_async_min(counting(async_calls))  # every async all_reduce the plugin issues
     if latency_s and arm in ("pipelined", "acks_only"):
-        adapter.use_async_min(lambda base: lambda g: delayed(base(g), lambda: latency_s))
+        wrap_async_min(lambda base: lambda g: delayed(base(g), lambda: latency_s))
     sim = build_cache(tp_group=dist.group.WORLD, tp_world_size=world, storage=True)
     clock = SimpleNamespace(now=0)
     ps = add_prefetch(sim, deadline=lambda op: clock.now >= op.bench_deadline)
@@ -88,8 +86,7 @@ def prefetch_rank(ctx, cfg: dict) -> dict:
         cache.__dict__["_all_reduce"] = delayed_all_reduce(counted, lambda: latency_s)
     if arm in ("pipelined", "acks_only"):
         params = SimpleNamespace(enable_metrics=False)
-        after_init_hicache(None, cache, None, params)
-        after_init_hicache_prefetch(None, cache, None, params)
+        init_cache(cache, params)
     n_id = 0
 
     def refill(p: int) -> None:
@@ -133,9 +130,9 @@ def prefetch_rank(ctx, cfg: dict) -> dict:
         ctx.report(p + 1)
     window_s = time.perf_counter() - t_window
     dist.barrier()
-    from hicache_async_ack.features.prefetch_votes import FEATURE
+    from hicache_async_ack.sglang_plugin import state_of
 
-    state = FEATURE.state_of(cache)
+    state = state_of(cache, "prefetch_votes")
     return {
         "pass_ms": pass_ms,
         "step_ms": step_ms,

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from hicache_async_ack.tools.options import ToolError
 from hicache_async_ack_lab.bench import workload
+from hicache_async_ack_lab.cli_support import ToolError
 
 
 class SimFailure(ToolError):
@@ -70,14 +70,14 @@ def timed_check(arm: workload.Arm, rec: Record, step: int, measured: bool) -> No
 
 
 def current_depth(arm: workload.Arm) -> int:
-    from hicache_async_ack.features import ack_sync
+    from hicache_async_ack.sglang_plugin import state_of
 
-    state = ack_sync.FEATURE.state_of(arm.sim.cache) if arm.sim is not None else None
-    return state.sync.depth if state is not None and state.sync is not None else 0
+    state = state_of(arm.sim.cache, "ack_counts") if arm.sim is not None else None
+    return state.sync_core.depth if state is not None and state.sync_core is not None else 0
 
 
 def bench_rank(ctx, cfg: dict) -> dict:
-    """Rank target for tools.ranks: one arm (``cfg["arm"]``, an ArmSpec) here."""
+    """Rank target for tools.run_ranks: one arm (``cfg["arm"]``, an ArmSpec) here."""
     import torch
     import torch.distributed as dist
 

@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hicache_async_ack.tools.options import ToolError, int_in
+from hicache_async_ack.tools import int_in
 from hicache_async_ack_lab.bench import multiturn, pd, storage
 from hicache_async_ack_lab.bench.arms import (
     ARMS,
@@ -59,6 +59,7 @@ from hicache_async_ack_lab.bench.arms import (
 )
 from hicache_async_ack_lab.bench.driver import parse_list, save, versions
 from hicache_async_ack_lab.bench.server_report import draw_png, print_report, ratios
+from hicache_async_ack_lab.cli_support import ToolError
 
 FIGURES = (
     ("request_throughput", "req/s"),

@@ -16,7 +16,7 @@ upstream's size, three ways, interleaved in blocks so that load on the box
 falls on all of them alike: a fresh tensor and ``dist.all_reduce`` (what the
 plugin did first), a preallocated tensor and ``dist.all_reduce``, and a
 preallocated tensor and the process group's own ``allreduce`` (what
-``adapter.torch_min_all_reduce`` does).
+the plugin's own ``Collectives().async_min`` does).
 """
 
 from __future__ import annotations
@@ -40,16 +40,17 @@ def _stats(samples_s: list[float]) -> str:
 
 
 def _sim_cache(arm: str):
-    from hicache_async_ack.kit import collectives as adapter
-    from hicache_async_ack.kit import groups
+    from hicache_async_ack.sglang_plugin import Collectives, Environment, use_environment
     from hicache_async_ack_lab.sim.cache import build_cache
     from hicache_async_ack_lab.sim.collectives import EchoHandle
 
-    adapter.use_async_min(lambda base: lambda group: EchoHandle)
-    groups.world_size = lambda group: 2  # a profiling stand-in: no process group here
+    # a profiling stand-in: no process group here
+    collectives = Collectives(async_min=lambda group: EchoHandle, world_size=lambda group: 2)
+    use_environment(Environment(collectives=collectives))
     sim = build_cache(tp_group=object(), tp_world_size=2, storage=True)
-    if arm == "bound":
-        sim.cache.__dict__["_all_reduce"] = lambda data, op: None
+    # upstream's blocking _all_reduce as a world of one: the bound's collective,
+    # and the pipelined arm's first exchange (it runs through the cache's own)
+    sim.cache.__dict__["_all_reduce"] = lambda data, op: None
     return sim
 
 
@@ -97,7 +98,7 @@ def collective_rank(ctx, cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from hicache_async_ack.kit import collectives as adapter
+    from hicache_async_ack.sglang_plugin import Collectives
 
     group = dist.group.WORLD
     size = cfg["size"]
@@ -105,7 +106,7 @@ def collective_rank(ctx, cfg: dict) -> dict:
     pre = torch.zeros(size, dtype=torch.int64)
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MIN
-    plugin = adapter.torch_min_all_reduce(group)
+    plugin = Collectives().async_min(group)
 
     def fresh_dist():
         t = torch.tensor(values, dtype=torch.int64)
@@ -127,7 +128,7 @@ def collective_rank(ctx, cfg: dict) -> dict:
         "fresh tensor + dist.all_reduce": fresh_dist,
         "prealloc + dist.all_reduce": prealloc_dist,
         "prealloc + ProcessGroup.allreduce": prealloc_pg,
-        "adapter.torch_min_all_reduce": plugin_collective,
+        "the plugin's async_min": plugin_collective,
     }
     issue: dict[str, list[float]] = {w: [] for w in ways}
     wait: dict[str, list[float]] = {w: [] for w in ways}
@@ -155,7 +156,7 @@ def collective_rank(ctx, cfg: dict) -> dict:
 
 
 def collective_cost(blocks: int, per_block: int, size: int, gap_ms: float) -> None:
-    from hicache_async_ack.tools.ranks import Job, run_ranks
+    from hicache_async_ack.tools import Job, run_ranks
 
     job = Job(
         target=f"{__name__}:collective_rank",

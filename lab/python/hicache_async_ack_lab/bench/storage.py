@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Optional
 
 from hicache_async_ack import __version__
-from hicache_async_ack.tools.options import ToolError, nonneg_float
+from hicache_async_ack.tools import nonneg_float
 from hicache_async_ack_lab.bench.driver import save, versions
 from hicache_async_ack_lab.bench.summary import render
+from hicache_async_ack_lab.cli_support import ToolError
 
 BACKENDS = ("mooncake",)
 MOONCAKE_ARGS = [

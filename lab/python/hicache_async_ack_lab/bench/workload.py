@@ -26,9 +26,9 @@ from datetime import timedelta
 from typing import Any, Callable, Optional
 
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR, ENTRY_POINT_NAME, PLUGINS_VAR
-from hicache_async_ack.features import ack_sync
-from hicache_async_ack.kit import collectives as adapter
-from hicache_async_ack.tools.options import ToolError
+from hicache_async_ack.sglang_plugin import Collectives, state_of
+from hicache_async_ack_lab.cli_support import ToolError
+from hicache_async_ack_lab.plugin_env import wrap_async_min
 from hicache_async_ack_lab.sim.cache import SimCache, build_cache
 from hicache_async_ack_lab.sim.collectives import DelayedHandle, delayed
 from hicache_async_ack_lab.sim.layout import attention_cp_layout, create_groups
@@ -110,7 +110,7 @@ class FloorCheck:
 
     def __init__(self, cache, group, size: int, schedule: Schedule):
         self.check = type(cache).check_hicache_events.__get__(cache)
-        self.issue = adapter.torch_min_all_reduce(group)
+        self.issue = Collectives().async_min(group)
         self.values = [0] * size
         self.schedule = schedule if schedule.injects else None
         self.pending: Any = None
@@ -130,7 +130,7 @@ def _load_plugins_for(spec: ArmSpec) -> None:
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.plugins import load_plugins
 
-    from hicache_async_ack.kit.hooks import is_hooked
+    from hicache_async_ack.sglang_plugin import is_hooked
 
     if spec.kind == "pipelined":
         os.environ[PLUGINS_VAR] = ENTRY_POINT_NAME
@@ -161,11 +161,11 @@ def prepare(spec: ArmSpec, cfg: dict, rank: int, world: int, schedule: Schedule)
             dedicated = dist.new_group(backend="gloo", timeout=timeout)
 
             def on_dedicated(_group, g=dedicated):
-                return adapter.torch_min_all_reduce(g)
+                return Collectives().async_min(g)
 
-            adapter.use_async_min(lambda base: on_dedicated)
+            wrap_async_min(lambda base: on_dedicated)
         if schedule.injects:
-            adapter.use_async_min(lambda base: lambda g: delayed(base(g), schedule.latency_s))
+            wrap_async_min(lambda base: lambda g: delayed(base(g), schedule.latency_s))
     groups = create_groups(rank, attention_cp_layout(world, cfg["cp"]), cfg["group_timeout_s"])
     sim = build_cache(
         tp_group=dist.group.WORLD, tp_world_size=world, storage=cfg["storage"], **groups
@@ -193,7 +193,7 @@ def describe_path(arm: Arm, world: int) -> str:
         return "stock check, collective replaced by a local no-op (measurement only)"
     if kind == "floor":
         return "the bound + one async MIN all_reduce per step (the plugin's primitive)"
-    state = ack_sync.FEATURE.state_of(arm.sim.cache)
+    state = state_of(arm.sim.cache, "ack_counts")
     decision = state.decide(arm.sim.cache) if state is not None else None
     if decision is not None and not decision.pipelined and world == 1:
         return f"plugin stands down: {decision.reason}"

@@ -263,21 +263,9 @@ class Server:
             return None
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM the whole process group (schedulers included), then SIGKILL."""
-        if self.proc is None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            end = time.monotonic() + wait_s
-            while time.monotonic() < end and _group_alive(self.proc.pid):
-                self.proc.poll()
-                time.sleep(0.2)
-            if not _group_alive(self.proc.pid):
-                break
-        self.proc.poll()
+        """Stop the whole process group (schedulers included)."""
+        if self.proc is not None:
+            stop_group(self.proc, grace_s)
 
     def log(self, tail: Optional[int] = None) -> str:
         try:
@@ -316,6 +304,24 @@ class Server:
         if return_logprob:
             body["return_logprob"] = True
         return json.loads(self.post("/generate", body, timeout=timeout))
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM ``proc``'s whole process group, then SIGKILL what is left of it
+    after ``grace_s``: every member, not only the leader, is gone on return
+    (or after another 10 s of SIGKILL)."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end and _group_alive(proc.pid):
+            proc.poll()
+            time.sleep(0.2)
+        if not _group_alive(proc.pid):
+            break
+    proc.poll()
 
 
 def _group_alive(pgid: int) -> bool:

@@ -219,20 +219,22 @@ def _patch_parallel_state(module) -> None:
 
 
 def _patch_plugin_reduces(module) -> None:
+    from hicache_async_ack_lab.plugin_env import wrap_async_min
+
     if check_dedicated():
-        module.use_async_min(lambda base: lambda group: base(_DEDICATED["group"]))
+        wrap_async_min(lambda base: lambda group: base(_DEDICATED["group"]))
     if not check_local():
         return
     from hicache_async_ack_lab.sim.collectives import EchoHandle
 
-    module.use_async_min(lambda base: lambda group: EchoHandle)
+    wrap_async_min(lambda base: lambda group: EchoHandle)
     logger.warning("cpu-server: %s, the plugin's reduces answer locally", LOCAL_MARK)
 
 
 PATCHES: dict[str, Callable] = {
     "sglang.srt.mem_cache.unified_radix_cache": _patch_unified_radix_cache,
     "sglang.srt.managers.cache_controller": _patch_cache_controller,
-    "hicache_async_ack.kit.collectives": _patch_plugin_reduces,
+    "hicache_async_ack.sglang_plugin": _patch_plugin_reduces,
     "sglang.srt.distributed.parallel_state": _patch_parallel_state,
     "sglang.srt.disaggregation.decode_kvcache_offload_manager": _patch_offload_manager,
 }

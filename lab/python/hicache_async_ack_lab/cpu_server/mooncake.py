@@ -37,7 +37,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional, Sequence, TypeVar
 
-from hicache_async_ack_lab.cpu_server import Server, free_port
+from hicache_async_ack_lab.cpu_server import Server, free_port, stop_group
 from hicache_async_ack_lab.cpu_server.netns import NetNamespace
 
 T = TypeVar("T")
@@ -66,24 +66,6 @@ def master_binary() -> Path:
 
 class MasterFailed(RuntimeError):
     """mooncake_master exited or its metrics endpoint did not answer in time."""
-
-
-def _stop_group(proc: subprocess.Popen, grace_s: float) -> None:
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(wait_s)
-        except subprocess.TimeoutExpired:
-            continue
-        # The leader is reaped; anything else of its group goes with SIGKILL.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        break
 
 
 class Mooncake:
@@ -207,7 +189,7 @@ class Mooncake:
 
     def stop(self, grace_s: float = 10.0) -> None:
         if self.proc is not None:
-            _stop_group(self.proc, grace_s)
+            stop_group(self.proc, grace_s)
         if self.ns is not None:
             self.ns.close()
             self.ns = None
@@ -355,4 +337,4 @@ def run(args) -> int:
         try:
             return child.wait()
         finally:
-            _stop_group(child, 30.0)
+            stop_group(child, 30.0)

@@ -262,7 +262,9 @@ def _count_l3_loads(module) -> None:
 
 
 def _count_plugin_reduces(module) -> None:
-    """The plugin's async all_reduces (hicache_async_ack.kit.collectives), counted
+    from hicache_async_ack_lab.plugin_env import wrap_async_min
+
+    """The plugin's async all_reduces (the environment's async MIN), counted
     as they are issued."""
     counts = _counts()
     if counts is None:
@@ -280,7 +282,7 @@ def _count_plugin_reduces(module) -> None:
 
         return factory
 
-    module.use_async_min(counting)
+    wrap_async_min(counting)
 
 
 def _count_passes(module) -> None:
@@ -335,7 +337,7 @@ def register(patches: dict, standins: dict) -> None:
         ("sglang.srt.mem_cache.unified_radix_cache", _count_l3_loads),
         ("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller", _count_l3_queries),
         ("sglang.srt.managers.scheduler", _count_passes),
-        ("hicache_async_ack.kit.collectives", _count_plugin_reduces),
+        ("hicache_async_ack.sglang_plugin", _count_plugin_reduces),
         ("sglang.srt.mem_cache.pool_host.base", _lower_host_memory_reserve),
     ):
         patches[name] = _then(patches[name], patch) if name in patches else patch

@@ -22,8 +22,6 @@ inside the namespace; everything stops as one, also when a start fails.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,7 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from hicache_async_ack_lab.cpu_server import Server, ServerFailed, free_port
+from hicache_async_ack_lab.cpu_server import Server, ServerFailed, free_port, stop_group
 from hicache_async_ack_lab.cpu_server.netns import NetNamespace
 
 STORE_DIR_VAR = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
@@ -173,7 +171,7 @@ class PDPair:
         """A fresh decode server (and router) beside the same prefill: the bench's arms
         differ on the decode side only. ``name`` tags its log."""
         if self.router is not None:
-            _stop_group(self.router, 15.0)
+            stop_group(self.router, 15.0)
             self.router = None
         for node in self.decode_nodes:
             node.stop()
@@ -282,7 +280,7 @@ class PDPair:
     def stop(self, grace_s: float = 15.0) -> None:
         """Router, decode node(s), prefill (each its process group), then the namespace."""
         if self.router is not None:
-            _stop_group(self.router, grace_s)
+            stop_group(self.router, grace_s)
         for server in self.servers():
             server.stop(grace_s)
         if self.ns is not None:
@@ -337,16 +335,3 @@ def _tail(path: Path, n: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except FileNotFoundError:
         return ""
-
-
-def _stop_group(proc: subprocess.Popen, grace_s: float) -> None:
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(wait_s)
-            break
-        except subprocess.TimeoutExpired:
-            continue

@@ -241,12 +241,14 @@ def _delay_stock_all_reduce(module) -> None:
 
 
 def _delay_plugin_reduces(module) -> None:
+    from hicache_async_ack_lab.plugin_env import wrap_async_min
+
     latency = reduce_latency()
     if latency is None:
         return
     from hicache_async_ack_lab.sim.collectives import delayed
 
-    module.use_async_min(lambda base: lambda group: delayed(base(group), latency))
+    wrap_async_min(lambda base: lambda group: delayed(base(group), latency))
 
 
 # --- post-import patching ---------------------------------------------------------
@@ -258,7 +260,7 @@ PATCHES: dict[str, Callable] = {
     "sglang.srt.mem_cache.pool_host.mha": _patch_host_pool_mha,
     "sglang.srt.managers.cache_controller": _patch_cache_controller,
     "sglang.srt.mem_cache.unified_radix_cache": _delay_stock_all_reduce,
-    "hicache_async_ack.kit.collectives": _delay_plugin_reduces,
+    "hicache_async_ack.sglang_plugin": _delay_plugin_reduces,
 }
 mooncake_standins.register(PATCHES, STANDINS)  # the Mooncake backend's two direct ops
 pd_standins.register(PATCHES, STANDINS)  # PD disaggregation's KV sender and early send

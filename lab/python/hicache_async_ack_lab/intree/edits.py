@@ -27,7 +27,7 @@ import ast
 import re
 
 from hicache_async_ack import env
-from hicache_async_ack.tools.options import ToolError
+from hicache_async_ack_lab.cli_support import ToolError
 from hicache_async_ack_lab.intree.module import CLASS_NAME, MODULE
 
 CACHE_PATH = "sglang/srt/mem_cache/unified_radix_cache.py"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hicache_async_ack.tools.options import ToolError
+from hicache_async_ack_lab.cli_support import ToolError
 
 FILES = Path(__file__).resolve().with_name("files")
 MODULE_NAME = "hicache_ack_sync"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from hicache_async_ack.tools.options import ToolError
+from hicache_async_ack_lab.cli_support import ToolError
 
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@(.*)$")
 CONTEXT_LINE = re.compile(r"^\s*(?:async\s+)?(?:def|class)\s")

@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from hicache_async_ack.tools.options import ToolError
+from hicache_async_ack_lab.cli_support import ToolError
 
 SUMMARY = "stock vs the plugin on random prefetch scenarios, driven as the scheduler does"
 DESCRIPTION = (

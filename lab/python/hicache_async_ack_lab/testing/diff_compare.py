@@ -139,7 +139,7 @@ def outcome_moves(specs: Iterable[dict], stock: list, plugin: list) -> dict:
 
 
 def jobs(specs: list[dict], timeout_s: float = 600.0) -> list:
-    from hicache_async_ack.tools.ranks import Job
+    from hicache_async_ack.tools import Job
 
     def job(label: str, rank_env: dict) -> Job:
         return Job(
@@ -158,7 +158,8 @@ def jobs(specs: list[dict], timeout_s: float = 600.0) -> list:
 
 def run_arms(specs: list[dict], timeout_s: float = 600.0) -> tuple[list, list]:
     """Both arms over real gloo (TP=2); (stock ranks, plugin ranks)."""
-    from hicache_async_ack.tools.ranks import RanksFailed, run_fresh
+    from hicache_async_ack.tools import RanksFailed
+    from hicache_async_ack_lab.fresh import run_fresh
 
     plugin, stock = run_fresh(jobs(specs, timeout_s))
     for ranks in (plugin, stock):

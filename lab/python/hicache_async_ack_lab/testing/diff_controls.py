@@ -38,6 +38,11 @@ CONTROLS = (
 )
 
 
+def key_of(handle: Any) -> tuple:
+    """A request handle's key, as the votes' book keys it."""
+    return (handle.rid, handle.attempt_id)
+
+
 def substitutes(names) -> dict:
     """The plugin's state classes with the guarantees ``names`` taken out."""
     unknown = sorted(set(names) - set(CONTROLS))
@@ -45,9 +50,8 @@ def substitutes(names) -> dict:
         raise ValueError(f"unknown control(s) {unknown}; accepted: {', '.join(CONTROLS)}")
     if not names:
         return {}
-    from hicache_async_ack.features.prefetch_votes import PrefetchVoteState
-    from hicache_async_ack.features.vote_landing import Landing, Pins
-    from hicache_async_ack.protocol.votes import VOTE_SLOTS
+    from hicache_async_ack.protocol import VOTE_SLOTS
+    from hicache_async_ack.sglang_plugin import Landing, Pins, PrefetchVoteState
 
     class ControlPins(Pins):
         def pin(self, cache: Any, handle: Any, node: Any) -> None:
@@ -96,22 +100,18 @@ def substitutes(names) -> dict:
 
         def section(self, cache: Any) -> tuple[list[int], object]:
             if "unreached_votes" in names:
-                from hicache_async_ack.features.vote_landing import operation_key
-
                 reached = {id(r.op) for r in self.book.reaches}
-                for h in sorted(cache.ongoing_prefetch, key=operation_key):
+                for h in sorted(cache.ongoing_prefetch, key=key_of):
                     op = cache.ongoing_prefetch[h].operation
                     if id(op) not in reached:
                         expired = bool(cache._prefetch_deadline_expired(op))
-                        self.book.poll(operation_key(h), op, expired)
+                        self.book.poll(key_of(h), op, expired)
             return super().section(cache)
 
         def admit(self, req: Any, prefix_len: int) -> None:
             if "keys_only" not in names:
                 return super().admit(req, prefix_len)
             if self.active:
-                from hicache_async_ack.features.vote_landing import operation_key
-
-                self.book.admit(operation_key(req.cache_request_handle), 0, 0)
+                self.book.admit(key_of(req.cache_request_handle), 0, 0)
 
     return {"prefetch_votes": ControlVotes}

@@ -52,6 +52,7 @@ from collections import defaultdict
 from types import SimpleNamespace
 
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR, PREFETCH_VOTES_VAR
+from hicache_async_ack_lab.plugin_env import EventLog, installed
 from hicache_async_ack_lab.sim.buffer_stage import BufferStage
 from hicache_async_ack_lab.sim.cache import build_cache
 from hicache_async_ack_lab.sim.lifecycle import (
@@ -64,7 +65,7 @@ from hicache_async_ack_lab.sim.lifecycle import (
 )
 from hicache_async_ack_lab.testing import diff_controls
 from hicache_async_ack_lab.testing.diff_scheduler import Scheduler
-from hicache_async_ack_lab.testing.spec_ranks import EventLog, plugin_environment, run_specs
+from hicache_async_ack_lab.testing.spec_ranks import run_specs
 
 VARS = (ENABLE_VAR, PREFETCH_VOTES_VAR, DEPTH_VAR)
 DRAIN = 60  # passes after the last one, at most, for what is left to settle
@@ -166,13 +167,11 @@ def build(spec: dict, rank: int, world: int, group, clock, log: EventLog, plugin
     budgets = {r["rid"]: per_rank(r.get("budget"), rank) for r in spec["requests"]}
     instrument(cache, record, clock, budgets, tree)
     if plugin:
-        from hicache_async_ack.features import ack_sync, vote_hooks
+        from hicache_async_ack.sglang_plugin import init_cache
 
-        params = SimpleNamespace(enable_metrics=False)
         controls = diff_controls.substitutes(spec.get("control", []))
-        with plugin_environment(log, controls):
-            ack_sync.after_init_hicache(None, cache, None, params)
-            vote_hooks.after_init_hicache(None, cache, None, params)
+        with installed(log, controls):
+            init_cache(cache, SimpleNamespace(enable_metrics=False))
     return sim, record
 
 
@@ -298,7 +297,7 @@ def run_passes(spec: dict, sim, sched: Scheduler, clock, counts: list, seen: dic
 def plugin_loaded() -> bool:
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    from hicache_async_ack.kit.hooks import is_hooked
+    from hicache_async_ack.sglang_plugin import is_hooked
 
     return is_hooked(UnifiedRadixCache.check_hicache_events)
 
@@ -374,10 +373,10 @@ def live_operations() -> int:
 
 def plugin_state(cache) -> dict:
     """What the plugin's vote state holds (0 each once the run is idle)."""
-    from hicache_async_ack.features.prefetch_votes import state_of
+    from hicache_async_ack.sglang_plugin import PrefetchVoteState, state_of
 
-    state = state_of(cache)
-    if state is None:
+    state = state_of(cache, "prefetch_votes")
+    if not isinstance(state, PrefetchVoteState):
         return {}
     return {"reaches": len(state.book.reaches), "admitted": len(state.book.admitted),
             "pins": len(state.landing.pins.held)}  # fmt: skip

@@ -1,5 +1,5 @@
 """Seeded PD decode offload scenarios on real gloo ranks (rank target
-``run_offload_specs`` for :mod:`hicache_async_ack.tools.ranks`).
+``run_offload_specs`` for :func:`hicache_async_ack.tools.run_ranks`).
 
 Per step, as the decode scheduler does: this step's device-to-host offloads
 are queued (the same on every rank), storage backups acked by the storage
@@ -58,9 +58,9 @@ def run_offload_scenario(spec: dict, rank: int, world: int, group) -> dict:
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["traceback"] = traceback.format_exc()
         out["error_step"] = step
-    from hicache_async_ack.features.decode_offload import FEATURE
+    from hicache_async_ack.sglang_plugin import state_of
 
-    state = FEATURE.state_of(om.manager)
+    state = state_of(om.manager, "decode_offload")
     out.update(
         per_step=per_step,
         added=added,

@@ -2,7 +2,7 @@
 prefetches, deadlines that each rank's clock sees at another pass, and
 lifecycle events, driven through SGLang's real cache methods.
 
-A rank target for :mod:`hicache_async_ack.tools.ranks` (``run_prefetch_specs``).
+A rank target for :func:`hicache_async_ack.tools.run_ranks` (``run_prefetch_specs``).
 Per pass, as the scheduler does: new requests start their prefetch (the set
 and the deadlines come from a generator every rank shares; the order they are
 added in, and each rank's clock skew, are this rank's own), lifecycle events
@@ -37,18 +37,16 @@ import traceback
 from types import SimpleNamespace
 
 from hicache_async_ack.env import ENABLE_VAR, PREFETCH_VOTES_VAR
+from hicache_async_ack_lab.plugin_env import EventLog, installed
 from hicache_async_ack_lab.sim.cache import build_cache
 from hicache_async_ack_lab.sim.prefetch import add_prefetch
-from hicache_async_ack_lab.testing.spec_ranks import EventLog, plugin_environment, run_specs
+from hicache_async_ack_lab.testing.spec_ranks import run_specs
 
 VARS = (ENABLE_VAR, PREFETCH_VOTES_VAR)
 
 
 def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
-    from hicache_async_ack.features.ack_sync import after_init_hicache
-    from hicache_async_ack.features.vote_hooks import (
-        after_init_hicache as after_init_hicache_prefetch,
-    )
+    from hicache_async_ack.sglang_plugin import init_cache
 
     clock = SimpleNamespace(now=-1)
     sim = build_cache(tp_group=group, tp_world_size=world, storage=True)
@@ -56,9 +54,8 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
     params = SimpleNamespace(enable_metrics=False)
     log = EventLog()
     substitutes = {"prefetch_votes": loop_only()} if spec.get("loop_only_verdicts") else {}
-    with plugin_environment(log, substitutes):
-        after_init_hicache(None, sim.cache, None, params)
-        after_init_hicache_prefetch(None, sim.cache, None, params)
+    with installed(log, substitutes):
+        init_cache(sim.cache, params)
     shared = random.Random(spec["seed"])  # the same draws on every rank
     local = random.Random(spec["seed"] * 1000 + rank)  # this rank's own
     cache = sim.cache
@@ -146,9 +143,9 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["traceback"] = traceback.format_exc()
         out["error_pass"] = p
-    from hicache_async_ack.features.prefetch_votes import FEATURE
+    from hicache_async_ack.sglang_plugin import state_of
 
-    state = FEATURE.state_of(cache)
+    state = state_of(cache, "prefetch_votes")
     out.update(
         per_pass=per_pass,
         added=added,
@@ -164,7 +161,7 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
 def loop_only() -> type:
     """The negative control: the votes' state with stops kept instead of applied
     at the boundary, and answered where a rank's walk reaches their operation."""
-    from hicache_async_ack.features.prefetch_votes import PrefetchVoteState
+    from hicache_async_ack.sglang_plugin import PrefetchVoteState
 
     class LoopOnlyVotes(PrefetchVoteState):
         kept: list = []

@@ -3,7 +3,7 @@
 A scenario ``spec`` (a JSON-able dict) names a seed, a step count, the traffic
 and the lifecycle events; :class:`RankDriver` plays it on one rank's real
 UnifiedRadixCache, over real process groups (:func:`run_specs`, a rank target
-for :mod:`hicache_async_ack.tools.ranks`) or over a :class:`MinHub` in one
+for :func:`hicache_async_ack.tools.run_ranks`) or over a :class:`MinHub` in one
 process (the many-rank simulation in the tests).
 
 Spec keys: name, seed, steps, env (plugin settings for this scenario, over
@@ -28,9 +28,9 @@ from types import SimpleNamespace
 from typing import Optional
 
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR
-from hicache_async_ack.features.ack_sync import FEATURE as ACK_SYNC
-from hicache_async_ack.features.ack_sync import after_init_hicache
-from hicache_async_ack.protocol import reduce as core
+from hicache_async_ack.protocol import PROTOCOL_VERSION as PLUGIN_PROTOCOL
+from hicache_async_ack.sglang_plugin import environment, init_cache, state_of
+from hicache_async_ack_lab.plugin_env import installed
 from hicache_async_ack_lab.sim.cache import build_cache
 from hicache_async_ack_lab.sim.clock import ModelClock, modelled
 from hicache_async_ack_lab.sim.traffic import StepClock, Traffic, TrafficSpec
@@ -53,7 +53,7 @@ STORAGE_ONLY_EVENTS = ("detach", "attach", "drain_storage")
 # (drain_storage_control_queues_local): those pops may differ across ranks.
 LOCAL_DRAIN_EVENTS = ("detach",)
 ACK_KINDS = ("write", "load")
-PROTOCOL_VERSION = core.PROTOCOL_VERSION  # what this release speaks
+PROTOCOL_VERSION = PLUGIN_PROTOCOL  # what this release speaks
 SETTINGS_VARS = (ENABLE_VAR, DEPTH_VAR)
 # The process's own settings, captured at its first scenario (a rank's, as spawned);
 # every scenario starts from them. Tests that run scenarios in-process reset it.
@@ -65,9 +65,9 @@ IN_TREE_MODULE = "sglang.srt.mem_cache.unified_cache.hicache_ack_sync"
 _in_tree = False
 
 
-def _core():
-    """The module whose PROTOCOL_VERSION this rank speaks."""
-    return importlib.import_module(IN_TREE_MODULE) if _in_tree else core
+def _in_tree_module():
+    """The patched tree's ack sync module (its PROTOCOL_VERSION is what that rank speaks)."""
+    return importlib.import_module(IN_TREE_MODULE)
 
 
 def apply_settings(spec: dict, rank: int) -> None:
@@ -81,7 +81,8 @@ def apply_settings(spec: dict, rank: int) -> None:
 class RankDriver:
     def __init__(self, spec: dict, rank: int, world: int, groups: dict):
         apply_settings(spec, rank)
-        _core().PROTOCOL_VERSION = PROTOCOL_VERSION
+        if _in_tree:
+            _in_tree_module().PROTOCOL_VERSION = PROTOCOL_VERSION
         self.spec = spec
         self.rank = rank
         self.world = world
@@ -105,24 +106,26 @@ class RankDriver:
         )
         # as init_hicache(server_args, params) would, with --enable-metrics or not
         params = SimpleNamespace(enable_metrics=bool(spec.get("metrics")))
-        if _in_tree:
-            assert ACK_SYNC.state_of(self.sim.cache) is None  # no plugin
-            attach_in_tree(self.sim.cache)
-        else:
-            after_init_hicache(None, self.sim.cache, None, params)
-        state = ACK_SYNC.state_of(self.sim.cache)
         self.step = 0
         self.clock: Optional[ModelClock] = None  # model time, with latency_ms
-        if spec.get("latency_ms") and state is not None and state.sync is not None:
+        model: dict = {}
+        if spec.get("latency_ms"):
             # a slow collective: [[from step, ms], ...], read when a reduce is issued
             # in model time: the latency model, never the wall clock of a busy
             # box, decides what auto depth sees (the reduce itself is real)
-            self.clock = ModelClock()
-            state.sync.clock = self.clock
-            state.sync.collective = modelled(state.sync.collective, self.latency_s, self.clock)
+            self.clock = clock = ModelClock()
+            base = environment().collectives.async_min
+            model = dict(clock=clock,
+                         async_min=lambda g: modelled(base(g), self.latency_s, clock))  # fmt: skip
+        if _in_tree:
+            assert state_of(self.sim.cache, "ack_counts") is None  # no plugin
+            attach_in_tree(self.sim.cache)
+        else:
+            with installed(**model):
+                init_cache(self.sim.cache, params)
         self.max_delay = spec.get("max_delay", 3)
-        clock = StepClock(self.max_delay, rank if spec.get("skew") else 0)
-        self.traffic = Traffic(self.sim, TrafficSpec(), spec["seed"], rank, clock)
+        steps = StepClock(self.max_delay, rank if spec.get("skew") else 0)
+        self.traffic = Traffic(self.sim, TrafficSpec(), spec["seed"], rank, steps)
         self.event_p = spec.get("event_p", 0.0)
         names = spec.get("events", EVENTS)
         self.events = tuple(e for e in names if self.storage or e not in STORAGE_ONLY_EVENTS)
@@ -133,7 +136,7 @@ class RankDriver:
     def state(self):
         if _in_tree:
             return InTreeState(self.sim.cache)
-        state = ACK_SYNC.state_of(self.sim.cache)
+        state = state_of(self.sim.cache, "ack_counts")
         assert state is not None, "the cache has no ack sync state"
         return state
 
@@ -162,7 +165,10 @@ class RankDriver:
             time.sleep(spec["stall_s"])  # stops stepping: peers' waits time out
             os._exit(18)
         if spec.get("protocol_at") == step and self.rank == 1:
-            _core().PROTOCOL_VERSION = PROTOCOL_VERSION + 1  # a peer on another release
+            if _in_tree:  # a peer on another release
+                _in_tree_module().PROTOCOL_VERSION = PROTOCOL_VERSION + 1
+            else:
+                self.state.sync_core.protocol = PROTOCOL_VERSION + 1
         self.traffic.enqueue(step, new_work=step < spec["steps"])
 
     def pick_event(self, step: int):
@@ -218,7 +224,7 @@ class RankDriver:
             "steps_run": len(per_step),
             "violations": self.sim.cc.violations,
             "left": self.left(),
-            "pending": self.state.sync.pending if self.state.sync else 0,
+            "pending": self.state.sync_core.pending if self.state.sync_core else 0,
             "pipelined": decision.pipelined,
             "reason": decision.reason,
             "counts": {"enqueued": self.traffic.enqueued, "events": self.event_counts},
@@ -268,7 +274,7 @@ def run_scenario(spec: dict, rank: int, world: int, groups: dict) -> dict:
             d.sim.cache.check_hicache_events()
             per_step.append([pre, d.sim.take_pops()])
             events.append(ev)
-            d.depths.append(d.state.sync.depth if d.state.sync else 0)
+            d.depths.append(d.state.sync_core.depth if d.state.sync_core else 0)
     except Exception as exc:
         out = d.summary(per_step, events)
         out["error"] = f"{type(exc).__name__}: {exc}"
@@ -276,7 +282,8 @@ def run_scenario(spec: dict, rank: int, world: int, groups: dict) -> dict:
         out["popped_in_failed_step"] = d.sim.take_pops()
         return out
     finally:
-        _core().PROTOCOL_VERSION = PROTOCOL_VERSION
+        if _in_tree:
+            _in_tree_module().PROTOCOL_VERSION = PROTOCOL_VERSION
     return d.summary(per_step, events)
 
 
@@ -296,7 +303,8 @@ def run_specs(ctx, payload: dict) -> dict:
 
     load_plugins()
     _in_tree = bool(payload.get("in_tree"))
-    _core()  # in-tree mode: fails here unless the tree is patched
+    if _in_tree:
+        _in_tree_module()  # fails here unless the tree is patched
     timeout = payload.get("group_timeout_s", 60.0)
     everyone = list(range(ctx.world_size))
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 
 def apply_env(spec: dict, rank: int, saved: dict) -> None:
@@ -40,29 +39,3 @@ def run_specs(
         results[spec["name"]]["seconds"] = time.monotonic() - t0
         ctx.report(len(results))
     return results
-
-
-class EventLog:
-    """An event sink for the plugin (kit.environment): every event in order, as
-    (kind, fields), and how many of each kind."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict]] = []
-        self.counts: dict[str, int] = {}
-
-    def __call__(self, kind: str, /, **fields: object) -> None:
-        self.events.append((kind, fields))
-        self.counts[kind] = self.counts.get(kind, 0) + 1
-
-
-@contextmanager
-def plugin_environment(events=None, substitutes=None) -> Iterator[None]:
-    """The plugin's states built inside the block get ``events`` and
-    ``substitutes`` (a negative control: a subclass of the plugin's state)."""
-    from hicache_async_ack.kit.environment import Environment, use_environment
-
-    before = use_environment(Environment(events=events, substitutes=dict(substitutes or {})))
-    try:
-        yield
-    finally:
-        use_environment(before)

@@ -2,7 +2,7 @@
 SGLang 0.5.23's ``get_next_batch_to_run`` runs it, so the plugin and stock
 SGLang can be compared decision for decision on the same inputs.
 
-A rank target for :mod:`hicache_async_ack.tools.ranks` (``run_walk_specs``).
+A rank target for :func:`hicache_async_ack.tools.run_ranks` (``run_walk_specs``).
 Per pass: requests arrive (a storage prefetch starts for each), this rank's
 transfer worker finishes the reads due (their final acks go on the ack queue),
 ``check_hicache_events`` runs (the ack sync; the votes' pass boundary), then
@@ -41,11 +41,12 @@ import traceback
 from types import SimpleNamespace
 
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR, PREFETCH_VOTES_VAR
+from hicache_async_ack_lab.plugin_env import EventLog, installed
 from hicache_async_ack_lab.sim.admission import SchedulerShim, adder_for, admit
 from hicache_async_ack_lab.sim.cache import build_cache
 from hicache_async_ack_lab.sim.prefetch import add_prefetch
 from hicache_async_ack_lab.testing import diff_controls
-from hicache_async_ack_lab.testing.spec_ranks import EventLog, plugin_environment, run_specs
+from hicache_async_ack_lab.testing.spec_ranks import run_specs
 
 VARS = (ENABLE_VAR, PREFETCH_VOTES_VAR, DEPTH_VAR)
 GROUP_TIMEOUT_S = 20.0
@@ -57,7 +58,7 @@ def per_rank(value, rank: int):
 
 
 def plugin_loaded(cache) -> bool:
-    from hicache_async_ack.kit.hooks import is_hooked
+    from hicache_async_ack.sglang_plugin import is_hooked
 
     return is_hooked(type(cache).check_hicache_events)
 
@@ -81,53 +82,46 @@ def counting(calls: list):
 
 
 def build(spec: dict, rank: int, world: int, group, clock, calls: list, log: EventLog):
-    from hicache_async_ack.kit import collectives as adapter
+    from hicache_async_ack.sglang_plugin import environment, init_cache
 
     topology: dict = {}
     if spec.get("cp"):  # every rank creates every group, in the same order
         from hicache_async_ack_lab.sim.layout import attention_cp_layout, create_groups
 
         topology = create_groups(rank, attention_cp_layout(world, spec["cp"]), GROUP_TIMEOUT_S)
-    previous = adapter.use_async_min(counting(calls))
-    try:
-        sim = build_cache(
-            tp_group=group,
-            tp_world_size=world,
-            storage=True,
-            host_memory_mode=spec.get("host_memory_mode", "cache"),
-            **topology,
+    sim = build_cache(
+        tp_group=group,
+        tp_world_size=world,
+        storage=True,
+        host_memory_mode=spec.get("host_memory_mode", "cache"),
+        **topology,
+    )
+    ps = add_prefetch(sim, budget=lambda op: op.test_budget, clock=clock)
+    cache = sim.cache
+    real = cache._all_reduce
+
+    def blocking(tensor, op):
+        calls[1] += 1
+        return real(tensor, op)
+
+    cache.__dict__["_all_reduce"] = blocking
+    if cache.host_memory_mode == "buffer_only":
+        from collections import deque
+
+        cache.__dict__["buffer_pipeline"] = SimpleNamespace(
+            pending_hit_allocs=deque(),
+            flush_pending_writes=lambda: None,
+            ongoing_write_through={},
+            finish_storage_write_ack=lambda *a, **k: None,
+            stage_completed_prefetch=lambda *a, **k: None,
         )
-        ps = add_prefetch(sim, budget=lambda op: op.test_budget, clock=clock)
-        cache = sim.cache
-        real = cache._all_reduce
-
-        def blocking(tensor, op):
-            calls[1] += 1
-            return real(tensor, op)
-
-        cache.__dict__["_all_reduce"] = blocking
-        if cache.host_memory_mode == "buffer_only":
-            from collections import deque
-
-            cache.__dict__["buffer_pipeline"] = SimpleNamespace(
-                pending_hit_allocs=deque(),
-                flush_pending_writes=lambda: None,
-                ongoing_write_through={},
-                finish_storage_write_ack=lambda *a, **k: None,
-                stage_completed_prefetch=lambda *a, **k: None,
-            )
-        if plugin_loaded(cache):
-            from hicache_async_ack.features import ack_sync, vote_hooks
-
-            params = SimpleNamespace(enable_metrics=False)
-            names = list(spec.get("control", []))
-            if spec.get("unreached_votes"):
-                names.append("unreached_votes")
-            with plugin_environment(log, diff_controls.substitutes(names)):
-                ack_sync.after_init_hicache(None, cache, None, params)
-                vote_hooks.after_init_hicache(None, cache, None, params)
-    finally:
-        adapter.use_collectives(previous)
+    if plugin_loaded(cache):
+        names = list(spec.get("control", []))
+        if spec.get("unreached_votes"):
+            names.append("unreached_votes")
+        counted = counting(calls)(environment().collectives.async_min)
+        with installed(log, diff_controls.substitutes(names), async_min=counted):
+            init_cache(cache, SimpleNamespace(enable_metrics=False))
     return sim, ps
 
 
@@ -233,9 +227,9 @@ def run_walk(spec: dict, rank: int, world: int, group) -> dict:
         out["error_pass"] = p
     state = None
     if out["plugin"]:
-        from hicache_async_ack.features.prefetch_votes import FEATURE
+        from hicache_async_ack.sglang_plugin import state_of
 
-        state = FEATURE.state_of(cache)
+        state = state_of(cache, "prefetch_votes")
     out.update(
         per_pass=per_pass,
         left=sorted(h.rid for h in cache.ongoing_prefetch),
