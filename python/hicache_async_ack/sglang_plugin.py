@@ -148,10 +148,15 @@ def allows(verdict: Verdict, feature: Feature[Any], untested_ok: bool) -> bool:
 
 
 def init_cache(cache: Any, params: Any = None) -> None:
-    """What SGLang's ``init_hicache`` hooks do, for a cache built by hand: every cache
-    sync's state, in order (``params.enable_metrics`` turns the metrics on)."""
+    """What SGLang's ``init_hicache`` hooks do, for a cache built by hand: the state of
+    every cache sync this SGLang runs (register()'s verdict, else the guard's), in order
+    (``params.enable_metrics`` turns the metrics on)."""
+    env = environment()
+    judged = env.judged if env.judged is not None else Judged(judge_installed(env))
     for feature in all_features():
-        if feature.sync.name in CACHE_SYNCS:
+        status = judged.verdict.feature(feature.sync.name).status if judged.verdict else None
+        runs = status == "tested" or (judged.untested_ok and status == "untested")
+        if feature.sync.name in CACHE_SYNCS and runs:
             init = next(h for h in feature.hooks if h.method == "init_hicache")
             init.fn(None, cache, None, params)
 

@@ -247,7 +247,7 @@ class InTreeState:
         self.cache = cache
 
     @property
-    def sync(self):
+    def sync_core(self):
         sync = self.cache.ack_sync
         if sync is None:
             return None
