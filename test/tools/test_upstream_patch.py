@@ -822,9 +822,7 @@ def test_a_plugin_node_beside_a_patched_tree_node_both_stop_naming_the_mix(
     in_tree, plugin = (json.loads(out.read_text()) for out in outs)
     assert (in_tree["form"], plugin["form"]) == ("in_tree", "plugin"), (in_tree, plugin)
     assert "a peer runs the hicache-async-ack plugin" in in_tree["error"], in_tree
-    assert "a peer runs SGLang's in-tree ack sync (a patched tree)" in plugin["error"], (
-        plugin
-    )
+    assert "a peer runs SGLang's in-tree ack sync (a patched tree)" in plugin["error"], plugin
     for r in (in_tree, plugin):
         assert r["popped"] == [], r
         assert "differs" not in r["error"] and "bare digest" not in r["error"], r

@@ -22,7 +22,7 @@ from hicache_async_ack import protocol as votes
 from hicache_async_ack.env import ENABLE_VAR, PREFETCH_VOTES_VAR
 from hicache_async_ack.errors import HiCacheAckSyncMismatch, PrefetchVoteMismatch
 from hicache_async_ack.guard import Judged, check_installed
-from hicache_async_ack.names import LOGGER_NAME, PREFETCH_VOTES
+from hicache_async_ack.names import BY_NAME, CACHE_SYNCS, LOGGER_NAME, PREFETCH_VOTES
 from hicache_async_ack.protocol import (
     ADMIT,
     HEADER,
@@ -288,9 +288,15 @@ def test_pp_and_untested_releases_stand_down(make_prefetch, install):
     ps = make_prefetch()
     ps.cache.__dict__["pp_size"] = 2
     assert "pp_size=2" in ps.state.eligible(ps.cache).reason
-    install(judged=Judged(None))  # no release matched
-    init_cache(ps.cache)
+    install(judged=Judged(None))  # no release matched: register() hooks nothing
+    for sync in CACHE_SYNCS:
+        ps.cache.__dict__.pop(BY_NAME[sync].state_attr, None)
+    init_cache(ps.cache)  # as register() would: no state for a sync it does not hook
+    assert CACHE_SYNCS and all(state_of(ps.cache, sync) is None for sync in CACHE_SYNCS)
+    # A hook that still runs (hooked before the verdict changed) builds a standing-down state.
+    ps.cache.check_hicache_events()
     state = state_of(ps.cache, "prefetch_votes")
+    assert state is not None
     assert not state.static.pipelined and state.static.code == "untested_release"
 
 
