@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from hicache_async_ack.tools import Job, RanksFailed, run_ranks
+from hicache_async_ack.tools import Job, RanksFailed, describe_exit, run_ranks
 
 # What SGLang-driving ranks need, imported once before forking.
 SGLANG_PRELOAD = (
@@ -30,17 +30,6 @@ SGLANG_PRELOAD = (
     "sglang.srt.mem_cache.unified_radix_cache",
     "sglang.srt.plugins",
 )
-
-
-def _how(code: Optional[int]) -> str:
-    if code is None:
-        return "was still running (killed)"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -80,7 +69,8 @@ def run_fresh(
                 proc.wait()
         out = tmp / "out.json"
         if proc.returncode != 0 or not out.exists():
-            raise RanksFailed(f"rank launcher {_how(proc.returncode)}:\n{log.read_text()[-4000:]}")
+            how = describe_exit(proc.returncode)
+            raise RanksFailed(f"rank launcher {how}:\n{log.read_text()[-4000:]}")
         return [
             RanksFailed(r["error"]) if "error" in r else r["results"]
             for r in json.loads(out.read_text())

@@ -4,7 +4,8 @@ shares of it: the rank spawner and the option types."""
 from .cli import LAB_COMMANDS, LAB_PROG, main
 from .doctor import diagnose
 from .options import int_in, nonneg_float, ranks_and_step_parent, subcommand
-from .ranks import Job, RankContext, RanksFailed, run_ranks
+from .ranks import Job, RankContext, RanksFailed, describe_exit, run_ranks
 
-__all__ = ["LAB_COMMANDS", "LAB_PROG", "Job", "RankContext", "RanksFailed", "diagnose", "int_in",
-    "main", "nonneg_float", "ranks_and_step_parent", "run_ranks", "subcommand"]  # fmt: skip
+__all__ = ["LAB_COMMANDS", "LAB_PROG", "Job", "RankContext", "RanksFailed", "describe_exit",
+    "diagnose", "int_in", "main", "nonneg_float", "ranks_and_step_parent", "run_ranks",
+    "subcommand"]  # fmt: skip

@@ -137,7 +137,8 @@ def _kill(procs: list[Any]) -> None:
         p.join(timeout=5)
 
 
-def _how(code: Optional[int]) -> str:
+def describe_exit(code: Optional[int]) -> str:
+    """How a process ended, for an error message (None: it was still running)."""
     if code is None:
         return "was still running (killed)"
     if code < 0:
@@ -157,7 +158,7 @@ def _describe_failures(procs: list[Any], workdir: Path, job: Job) -> str:
                 errors.append(json.loads(f.read_text()))
     errors.sort(key=lambda e: e["time"])
     lines = [
-        f"rank {rank} {_how(p.exitcode)}"
+        f"rank {rank} {describe_exit(p.exitcode)}"
         for rank, p in enumerate(procs)
         if p.exitcode != 0 and rank not in job.allow_exit
     ]
