@@ -37,6 +37,12 @@ ALLOW_UNTESTED_DEFAULT = False
 PREFETCH_VOTES_VAR = "SGLANG_ENABLE_HICACHE_ASYNC_PREFETCH_VOTES"
 PREFETCH_VOTES_DEFAULT = True
 
+# With the votes on, a request whose L3 remainder a prefetch in flight at its anchor covers
+# waits for that read to land, then matches the host and reads only the rest. Off by
+# default: it changes what is read (never more than stock), not only when.
+READ_ONCE_VAR = "SGLANG_ENABLE_HICACHE_ASYNC_PREFETCH_READ_ONCE"
+READ_ONCE_DEFAULT = False
+
 # With PD decode KV offload, pipeline check_offload_progress's per-step MIN all_reduce.
 OFFLOAD_SYNC_VAR = "SGLANG_ENABLE_HICACHE_ASYNC_DECODE_OFFLOAD_SYNC"
 OFFLOAD_SYNC_DEFAULT = True
@@ -114,6 +120,10 @@ def prefetch_votes_enabled(environ: Optional[Environ] = None) -> bool:
     return _flag(PREFETCH_VOTES_VAR, PREFETCH_VOTES_DEFAULT, environ)
 
 
+def read_once_enabled(environ: Optional[Environ] = None) -> bool:
+    return _flag(READ_ONCE_VAR, READ_ONCE_DEFAULT, environ)
+
+
 def offload_sync_enabled(environ: Optional[Environ] = None) -> bool:
     return _flag(OFFLOAD_SYNC_VAR, OFFLOAD_SYNC_DEFAULT, environ)
 
@@ -129,6 +139,7 @@ def plugin_whitelisted(environ: Optional[Environ] = None) -> bool:
 __all__ = ["ALLOW_UNTESTED_DEFAULT", "ALLOW_UNTESTED_VAR", "DEPTH_AUTO", "DEPTH_DEFAULT",
     "DEPTH_MAX", "DEPTH_VAR", "ENABLE_DEFAULT", "ENABLE_VAR", "ENTRY_POINT_NAME",
     "FALSE_SPELLINGS", "OFFLOAD_SYNC_DEFAULT", "OFFLOAD_SYNC_VAR", "PLUGINS_VAR",
-    "PREFETCH_VOTES_DEFAULT", "PREFETCH_VOTES_VAR", "TRUE_SPELLINGS", "Settings",
-    "allow_untested", "offload_sync_enabled", "parse_bool", "parse_depth", "plugin_whitelisted",
-    "prefetch_votes_enabled", "read_settings"]  # fmt: skip
+    "PREFETCH_VOTES_DEFAULT", "PREFETCH_VOTES_VAR", "READ_ONCE_DEFAULT", "READ_ONCE_VAR",
+    "TRUE_SPELLINGS", "Settings", "allow_untested", "offload_sync_enabled", "parse_bool",
+    "parse_depth", "plugin_whitelisted", "prefetch_votes_enabled", "read_once_enabled",
+    "read_settings"]  # fmt: skip
