@@ -3,30 +3,50 @@
 #   hicache_async_ack-*.whl      the runtime: the plugin and `hicache-async-ack doctor`,
 #                                what GPU nodes install (no dependencies)
 #   hicache_async_ack_lab-*.whl  the lab: bench, bench-server, cpu-server,
-#                                mooncake-master, upstream-patch, the simulation
-# With PYTHON set, that interpreter's pip and setuptools build them (no download);
-# otherwise the project's venv (scripts/setup.sh). Prints the two wheels' paths.
+#                                mooncake-master, upstream-patch, differential
+# With the interpreter PYTHON (default python3; any Python >= 3.10 with pip) through
+# `pip wheel` with build isolation: pip fetches the build backend (setuptools) from
+# the package index into a throw-away environment. Nothing else is installed or set
+# up (no venv, no SGLang, no apt). Prints the two wheels' paths.
+#   scripts/build-wheels.sh [DIR]            PYTHON=python3.10 scripts/build-wheels.sh
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=${1:-$root/dist}
-py=${PYTHON:-}
-if [ -z "$py" ]; then
-  py="$(bash "$root/scripts/setup.sh")/bin/python"
+py=${PYTHON:-python3}
+if ! command -v "$py" >/dev/null 2>&1; then
+  echo "build-wheels: $py not found; set PYTHON to a Python >= 3.10 that has pip" >&2
+  exit 1
+fi
+if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+  echo "build-wheels: $py is Python $("$py" -c 'import platform; print(platform.python_version())')," \
+    "the wheels need >= 3.10; set PYTHON to another interpreter" >&2
+  exit 1
+fi
+if ! "$py" -m pip --version >/dev/null 2>&1; then
+  echo "build-wheels: $py has no pip: install it (python3 -m ensurepip, or Debian's" \
+    "python3-pip) or set PYTHON to an interpreter that has it" >&2
+  exit 1
 fi
 mkdir -p "$out"
-# A fresh copy of each project: setuptools writes build/ and *.egg-info next to
-# the sources, and an old build/ can carry files that no longer exist.
+out=$(cd "$out" && pwd)
+# A fresh copy of what each project builds from: setuptools writes build/ and
+# *.egg-info next to the sources, and an old build/ can carry files that no longer
+# exist. -h: the lab's LICENSE is a link to the repository's.
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 pids=()
 for name in runtime lab; do
   project=$root
-  [ "$name" = lab ] && project=$root/lab
+  files=(pyproject.toml README.md LICENSE python)
+  if [ "$name" = lab ]; then
+    project=$root/lab
+    files=(pyproject.toml LICENSE python)
+  fi
   mkdir -p "$work/$name"
-  (cd "$project" && tar --exclude='./lab' --exclude='*.egg-info' --exclude='__pycache__' \
-    --exclude='./build' --exclude='./dist' --exclude='./.git' -cf - .) | tar -xf - -C "$work/$name"
-  # Both at once: each build is mostly pip's and setuptools' start-up.
-  "$py" -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation \
+  (cd "$project" && tar -h --exclude='*.egg-info' --exclude='__pycache__' -cf - "${files[@]}") \
+    | tar -xf - -C "$work/$name"
+  # Both at once: each build is mostly pip's start-up and its isolated environment.
+  "$py" -m pip wheel -q --disable-pip-version-check --no-deps \
     -w "$work/wheels" "$work/$name" >"$work/$name.log" 2>&1 &
   pids+=("$!")
 done

@@ -6,6 +6,7 @@ controls: with any one alert's expression broken, promtool fails on that alert."
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -14,10 +15,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hicache_async_ack.metrics import FAMILIES, SERIES
+from hicache_async_ack.metrics import PATH_INFO as SERIES_PATH_INFO
+
 from support import monitoring_cases as mc
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "monitoring" / "grafana-dashboard.json"
+_SERIES = re.compile(r"sglang\[:_\]\w+")
 NAME_RE = re.compile(r"sglang\[:_\]([a-z_]+(?:\([a-z_|]+\)[a-z_]*)?)")
 
 
@@ -175,3 +180,118 @@ def test_rules_written_for_the_colon_spelling_miss_every_openmetrics_scrape(tmp_
     assert firing <= om, firing - om
     assert not (text & firing), text & firing
     assert failed
+
+
+# ------------------------------------------- the dashboard and the alerts agree
+def _panels() -> list[dict]:
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    assert any(p.get("targets") for p in panels), "no panel with a query"
+    return panels
+
+
+def _exported() -> set[str]:
+    """Every series name the plugin can export, in both spellings, with the suffixes
+    Prometheus gives counters and histograms."""
+    declared = {SERIES_PATH_INFO, *SERIES}
+    declared |= {name for families in FAMILIES.values() for _, _, name, *_ in families}
+    assert len(declared) > 10, declared
+    suffixes = ("", "_total", "_sum", "_count", "_bucket", "_created")
+    return {(name + s).replace(":", sep, 1) for name in declared for s in suffixes for sep in ":_"}
+
+
+def test_every_dashboard_series_is_one_the_plugin_exports():
+    """Each name a panel selects is declared in metrics.py (SERIES, FAMILIES, the path
+    info), or is Prometheus's own `up`: no panel reads a series that does not exist."""
+    exported = _exported()
+    names = []
+    for panel in _panels():
+        for target in panel.get("targets", []):
+            names += [m.replace("sglang[:_]", "sglang_") for m in _SERIES.findall(target["expr"])]
+            if "up{" in target["expr"]:
+                names.append("up")
+    assert names, "no series named by the dashboard"
+    missing = [n for n in names if n != "up" and n not in exported]
+    assert missing == [], missing
+
+
+def test_no_panel_reads_the_votes_wait_which_stays_0():
+    """The votes ride the ack counts' reduce: their wait series is kept at 0
+    (metrics.py says so), so a panel on it would show a flat line forever."""
+    kept_at_0 = [doc for families in FAMILIES.values() for _, _, n, doc, *_ in families
+                 if n == "sglang:hicache_prefetch_votes_wait_seconds"]  # fmt: skip
+    assert kept_at_0 and kept_at_0[0].startswith("Kept at 0"), kept_at_0
+    exprs = [t["expr"] for p in _panels() for t in p.get("targets", [])]
+    assert exprs and not [e for e in exprs if "prefetch_votes_wait_seconds" in e]
+
+
+def _normal(expr: str) -> str:
+    """An expression without the dashboard's job filter and without whitespace."""
+    return re.sub(r"\s+", "", expr.replace(', job=~"$job"', ""))
+
+
+def _split_threshold(expr: str) -> tuple[str, float]:
+    m = re.fullmatch(r"(.*\))\s*>\s*([0-9.]+)\s*", expr.strip(), re.S)
+    assert m, expr
+    return m.group(1), float(m.group(2))
+
+
+def hidden_problems(rules: dict[str, dict], panels: list[dict]) -> list[str]:
+    """Where a "not hidden" alert and the dashboard's panel on the same wait series
+    disagree: another expression, another window, another threshold line."""
+    problems = []
+    alerts = {a: r for a, r in rules.items() if a.endswith("NotHidden")}
+    if not alerts:
+        return ["no NotHidden alert"]
+    for alert, rule in sorted(alerts.items()):
+        inner, threshold = _split_threshold(rule["expr"])
+        (series,) = set(re.findall(r"sglang\[:_\]\w+_wait_seconds_sum", inner))
+        shown = [
+            (p, t["expr"]) for p in panels for t in p.get("targets", []) if series in t["expr"]
+        ]
+        if len(shown) != 1:
+            problems.append(f"{alert}: {len(shown)} panels read {series}")
+            continue
+        panel, expr = shown[0]
+        if _normal(expr) != _normal(inner):
+            problems.append(f"{alert}: panel {panel['title']!r} plots {expr!r}, not {inner!r}")
+        steps = panel.get("fieldConfig", {}).get("defaults", {}).get("thresholds", {})
+        lines = [s["value"] for s in steps.get("steps", []) if s.get("value") is not None]
+        if lines != [threshold]:
+            problems.append(f"{alert}: panel {panel['title']!r} draws {lines}, not {threshold}")
+    return problems
+
+
+def test_the_hidden_panels_plot_the_alerts_own_expression():
+    """One definition of "hidden": the ack wait net of the collective's own floor
+    (0.5 ms per consume), used by HiCacheAckSyncNotHidden and the dashboard alike."""
+    rules = mc.rules_by_alert()
+    assert "0.0005 * rate(" in rules["HiCacheAckSyncNotHidden"]["expr"]
+    assert hidden_problems(rules, _panels()) == []
+
+
+def test_the_hidden_check_finds_a_panel_that_drifted():
+    """Negative control: the panel as it was (the raw wait rate, over Grafana's
+    interval, no threshold line) and a panel on another threshold are caught."""
+    rules, panels = mc.rules_by_alert(), _panels()
+    ack = [p for p in panels if "ack_sync_wait_seconds_sum" in json.dumps(p)]
+    assert len(ack) == 1
+    raw = json.loads(json.dumps(ack[0]))
+    raw["targets"][0]["expr"] = (
+        "sum by (instance, cache_type, tp_rank, pp_rank, dp_rank) (rate({__name__=~"
+        '"sglang[:_]hicache_ack_sync_wait_seconds_sum", job=~"$job"}[$__rate_interval]))'
+    )
+    raw["fieldConfig"]["defaults"]["thresholds"]["steps"][1]["value"] = 0.1
+    found = "\n".join(hidden_problems(rules, [raw if p is ack[0] else p for p in panels]))
+    assert "HiCacheAckSyncNotHidden: panel" in found and "plots" in found, found
+    assert "draws [0.1], not 0.02" in found, found
+    without = [p for p in panels if p is not ack[0]]
+    assert "HiCacheAckSyncNotHidden: 0 panels read" in "\n".join(hidden_problems(rules, without))
+
+
+def test_readme_quotes_the_same_definition():
+    """README's wait-share query is the alert's, without its threshold."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```promql\n(.*?)```", readme, re.S)
+    queries = [q.strip() for b in blocks for q in b.split("\n\n") if q.strip()]
+    inner, _ = _split_threshold(mc.rules_by_alert()["HiCacheAckSyncNotHidden"]["expr"])
+    assert _normal(inner) in {_normal(q) for q in queries}, queries

@@ -1,8 +1,10 @@
-"""The two wheels (issue 35): scripts/build-wheels.sh builds the runtime wheel
+"""The two wheels (issues 35, 51): scripts/build-wheels.sh builds the runtime wheel
 (the plugin and `doctor`, what GPU nodes install) and the lab's; each holds
-what it should and nothing else, and the runtime wheel, installed alone into a
-fresh venv beside SGLang, runs `doctor` and is picked up by SGLang's real
-load_plugins() from its own files, with the lab not importable there.
+what it should and nothing else (LICENSE and py.typed included, the metadata an
+index shows), README's build command works from a bare `python -m venv`, and the
+runtime wheel, installed alone into a fresh venv beside SGLang, runs `doctor` and
+is picked up by SGLang's real load_plugins() from its own files, with the lab not
+importable there.
 
 The fresh venv reuses the project venv's SGLang (a reinstall is 11 GB) through
 a ``.pth`` file holding that site-packages directory as a plain path line: site
@@ -27,6 +29,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +38,7 @@ import pytest
 
 from hicache_async_ack import __version__
 from hicache_async_ack import tools as runtime_cli
+from hicache_async_ack.guard import tested_releases
 from hicache_async_ack_lab import cli as lab_cli
 from hicache_async_ack_lab.intree import module as intree_files
 
@@ -44,6 +48,8 @@ SOURCES = {RUNTIME: ROOT / "python" / RUNTIME, LAB: ROOT / "lab" / "python" / LA
 PLUGIN_GROUP = "sglang.srt.plugins"
 ENTRY_POINT = "hicache_async_ack = hicache_async_ack.sglang_plugin:register"
 LAB_REQUIRES = f"hicache-async-ack=={__version__}"
+LICENSE = "Apache-2.0"
+MOONCAKE_CPU = "mooncake-transfer-engine-non-cuda"  # installs mooncake/, as the CUDA wheel does
 # Minutes on a busy 2-core box: SGLang's import dominates every probe.
 BUILD_TIMEOUT_S, PIP_TIMEOUT_S, PROBE_TIMEOUT_S = 600, 300, 600
 
@@ -78,12 +84,19 @@ class Wheel:
         """The unconditional requirements (extras' are not installed by default)."""
         return [r for r in self.metadata.get_all("Requires-Dist") or [] if "extra ==" not in r]
 
+    def extra(self, name: str) -> list[str]:
+        """What extra ``name`` requires (each requirement without its marker)."""
+        marker = f'extra == "{name}"'
+        reqs = self.metadata.get_all("Requires-Dist") or []
+        return [r.split(";")[0].strip() for r in reqs if marker in r]
+
 
 def source_files(package: str) -> set[str]:
-    """What the package's wheel must hold: its modules and the data it ships."""
+    """What the package's wheel must hold: its modules, the data it ships, py.typed."""
     src = SOURCES[package]
     found = [p for p in src.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
-    keep = [p for p in found if p.suffix == ".py" or p.name == "upstream_fingerprints.json"]
+    data = ("upstream_fingerprints.json", "py.typed")
+    keep = [p for p in found if p.suffix == ".py" or p.name in data]
     return {f"{package}/{p.relative_to(src).as_posix()}" for p in keep}
 
 
@@ -96,8 +109,16 @@ def common_problems(wheel: Wheel, package: str, name: str) -> list[str]:
     missing = source_files(package) - wheel.files(package)
     if missing:
         problems.append(f"missing: {sorted(missing)}")
+    for must in (f"{package}/py.typed", f"{dist_info}licenses/LICENSE"):
+        if must not in wheel.names:
+            problems.append(f"without {must}")
     if (wheel.metadata["Name"], wheel.metadata["Version"]) != (name, __version__):
         problems.append(f"is {wheel.metadata['Name']} {wheel.metadata['Version']}")
+    meta = wheel.metadata
+    if meta["License-Expression"] != LICENSE or meta["Requires-Python"] != ">=3.10":
+        problems.append(f"license {meta['License-Expression']}, python {meta['Requires-Python']}")
+    if "Typing :: Typed" not in (meta.get_all("Classifier") or []):
+        problems.append(f"classifiers {meta.get_all('Classifier')}")
     return problems
 
 
@@ -116,8 +137,13 @@ def runtime_problems(wheel: Wheel) -> list[str]:
     ]
     if foreign:
         problems.append(f"lab or SGLang files: {sorted(foreign)}")
-    if wheel.metadata.get_all("Requires-Dist"):
-        problems.append(f"requires {wheel.metadata.get_all('Requires-Dist')}")
+    if wheel.requires():
+        problems.append(f"requires {wheel.requires()}")
+    tested = tested_releases()
+    if wheel.extra("sglang") != [f"sglang<={tested[-1]},>={tested[0]}"]:
+        problems.append(f"the sglang extra is {wheel.extra('sglang')}, not the tested range")
+    if not wheel.metadata.get_all("Project-URL"):
+        problems.append("no Project-URL")
     plugins = dict(wheel.entry_points[PLUGIN_GROUP]) if PLUGIN_GROUP in wheel.entry_points else {}
     if [f"{k} = {v}" for k, v in plugins.items()] != [ENTRY_POINT]:
         problems.append(f"entry points in {PLUGIN_GROUP}: {plugins}")
@@ -135,6 +161,12 @@ def lab_problems(wheel: Wheel) -> list[str]:
         problems.append(f"without {absent}")
     if wheel.requires() != [LAB_REQUIRES]:
         problems.append(f"requires {wheel.requires()}, not [{LAB_REQUIRES!r}]")
+    # Mooncake's CPU build replaces a GPU node's CUDA one: opt-in only, never in bench.
+    for extra in ("bench",):
+        if any(r.startswith(MOONCAKE_CPU) for r in wheel.extra(extra)):
+            problems.append(f"{MOONCAKE_CPU} in the {extra} extra")
+    if not any(r.startswith(MOONCAKE_CPU) for r in wheel.extra("mooncake-cpu")):
+        problems.append(f"no mooncake-cpu extra with {MOONCAKE_CPU}")
     return problems
 
 
@@ -190,6 +222,52 @@ def test_the_lab_wheel_holds_the_lab_and_requires_this_plugin_version(wheels):
     assert PLUGIN_GROUP not in lab.entry_points  # SGLang loads the plugin, never the lab
 
 
+def readme_build_command() -> list[str]:
+    """The build command of README's install section (a line of a bash block)."""
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    lines = [ln.split("#")[0].split() for b in blocks for ln in b.splitlines()]
+    found = [ln for ln in lines if "scripts/build-wheels.sh" in ln]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_readmes_build_command_works_from_a_bare_venv(tmp_path):
+    """A bare ``python -m venv`` (pip, nothing else), activated, and README's build
+    command: both wheels, with no development set-up (no SGLang, no apt, no
+    project venv). Prints how long it took."""
+    command = readme_build_command()
+    assert command == ["bash", "scripts/build-wheels.sh"], command
+    venv = tmp_path / "bare"
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=PIP_TIMEOUT_S)
+    env = {k: v for k, v in clean_env().items() if k not in ("PYTHON", "HICACHE_ASYNC_ACK_VENV")}
+    env.update(VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}:{env.get('PATH', '')}")
+    build = subprocess.Popen(
+        [*command, str(tmp_path / "dist")],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = build.communicate(timeout=BUILD_TIMEOUT_S)
+    finally:
+        if build.poll() is None:
+            os.killpg(build.pid, signal.SIGKILL)
+            build.wait()
+    took = time.monotonic() - start
+    assert build.returncode == 0, stderr[-3000:]
+    built = sorted(p.name for p in (tmp_path / "dist").glob("*.whl"))
+    assert built == [
+        f"{RUNTIME}-{__version__}-py3-none-any.whl",
+        f"{LAB}-{__version__}-py3-none-any.whl",
+    ]
+    assert "setup:" not in stderr  # scripts/setup.sh (the development set-up) did not run
+    print(f"bare venv + README's build command: both wheels in {took:.1f} s")
+
+
 def _rewrite(src: Wheel, dest: Path, drop: set[str], add: dict[str, str], edit) -> Wheel:
     """A copy of ``src`` without ``drop``, with ``add``, each text file through ``edit``."""
     with zipfile.ZipFile(src.path) as z, zipfile.ZipFile(dest, "w") as out:
@@ -207,13 +285,15 @@ def test_the_wheel_checks_find_what_a_bad_wheel_carries(wheels, tmp_path):
 
     def add_requirement(name: str, text: str) -> str:
         if name.endswith("/METADATA"):
-            return text.replace("Requires-Python:", "Requires-Dist: sglang\nRequires-Python:", 1)
+            text = text.replace("Requires-Python:", "Requires-Dist: sglang\nRequires-Python:", 1)
+            return text.replace("sglang<=", "sglang<=9", 1)
         return text.replace(PLUGIN_GROUP, "other.group") if "entry_points" in name else text
 
+    license_file = f"{RUNTIME}-{__version__}.dist-info/licenses/LICENSE"
     bad = _rewrite(
         runtime,
         tmp_path / runtime.path.name,
-        drop={f"{RUNTIME}/guard.py"},
+        drop={f"{RUNTIME}/guard.py", f"{RUNTIME}/py.typed", license_file},
         add={
             "sitecustomize.py": "",
             f"{LAB}/__init__.py": "",
@@ -230,6 +310,9 @@ def test_the_wheel_checks_find_what_a_bad_wheel_carries(wheels, tmp_path):
         "sglang/__init__.py",
         "intree/files",
         "requires ['sglang']",
+        "the sglang extra is ['sglang<=9",
+        f"without {RUNTIME}/py.typed",
+        f"without {license_file}",
         f"entry points in {PLUGIN_GROUP}: {{}}",
     ):
         assert what in found, what
@@ -238,13 +321,20 @@ def test_the_wheel_checks_find_what_a_bad_wheel_carries(wheels, tmp_path):
     sitecustomize = f"{LAB}/cpu_server/boot/sitecustomize.py"
 
     def other_version(name: str, text: str) -> str:
-        return text.replace(LAB_REQUIRES, "hicache-async-ack>=0.0.1")
+        text = text.replace(LAB_REQUIRES, "hicache-async-ack>=0.0.1")
+        if name.endswith("/METADATA"):  # Mooncake's CPU build back in bench
+            text = text.replace(
+                "Provides-Extra: bench",
+                f'Provides-Extra: bench\nRequires-Dist: {MOONCAKE_CPU}; extra == "bench"',
+            )
+        return text.replace("License-Expression: Apache-2.0", "License-Expression: MIT")
 
     bad_lab = _rewrite(
         lab, tmp_path / lab.path.name, drop={sitecustomize}, add={}, edit=other_version
     )
     found = "\n".join(lab_problems(bad_lab))
     assert sitecustomize in found and "requires ['hicache-async-ack>=0.0.1']" in found, found
+    assert f"{MOONCAKE_CPU} in the bench extra" in found and "license MIT" in found, found
 
 
 def test_the_lab_commands_are_the_ones_the_runtime_cli_sends_to_the_lab(capsys):

@@ -11,4 +11,4 @@ install only the plugin. Imports the plugin; the plugin never imports this.
 
 # Released together with the plugin, at its version (test_packaging checks they are
 # equal); a literal, so the wheel builds without the plugin installed.
-__version__ = "0.1.0"
+__version__ = "0.2.0"
