@@ -13,23 +13,22 @@ progress and final acks; host releases), ``_handle_prefetch_result``,
 (``_finish_storage_prefetch``, ``_account_prefetch_outcome``). What stands in:
 
 * the controller's side (``submit_prefetch``, ``allocate_storage_hit`` as the
-  base controller allocates, ``terminate_prefetch``, ``append_host_mem_release``,
-  the rate limit), a :class:`HostPool` that refuses a double free;
-* the tree's side (:class:`LifecycleTree`): an inserted prefix is a node
-  holding its host pages; ``cold`` nodes stand for other requests' cached
-  prefixes, evicted oldest first; a request's own node is evictable only in
-  ``exposed`` mode, while the request is not running (SGLang's load-back holds
-  it from its admission until it finishes), never while a host lock holds it
-  nor while a node inserted on top of it is there; requests that share a
-  prefix insert it once (the second insert finds it: upstream frees its copy);
+  base controller allocates, ``terminate_prefetch``, ``append_host_mem_release``
+  by page, the rate limit), a :class:`HostPool` of pages that refuses a double
+  free; with a sidecar pool, its release queue (a KV-derived sidecar reuses the
+  KV's indices, so upstream queues nothing of its own there);
+* the tree's side: :class:`~hicache_async_ack_lab.sim.host_tree.HostTree`;
 * the storage (:class:`Script`): per rank, a hit answer, read progress and the
   final ack, each delivered a number of passes after the prefetch was
   submitted, with the values every rank agrees on (upstream's query and sync
   threads MIN-reduce them before the scheduler sees them), capped by what the
-  allocation kept when the scheduler reads them; one script per submission of a
-  request (a storage retry submits again), and the synchronous hit query of a
-  PD decode node's prealloc (``_storage_hit_query``) answered from the next
-  one; every L3 query and every read started is counted;
+  allocation kept when the scheduler reads them. The hit is what L3 holds of
+  the request's prompt from its first token, so a query from a matched prefix
+  finds the rest of it; a failed query answers 0, a failed read stops short
+  (``error``). One script per submission of a request (a storage retry submits
+  again), and the synchronous hit query of a PD decode node's prealloc
+  (``_storage_hit_query``) answered from the next one; every L3 query, every
+  read started and the keys (pages) it reads are counted;
 * the deadline (:class:`PassTimer`): upstream's admission-poll timer counted in
   passes, per rank, from the first check that finds the prefetch unfinished.
 
@@ -42,14 +41,8 @@ import queue
 from dataclasses import dataclass, field
 from typing import Any, Optional, cast
 
-from hicache_async_ack_lab.sim.cache import SimController, SimTreeCore
-
-ROOT = 0
-
-
-class SimViolation(AssertionError):
-    """The lifecycle broke an invariant SGLang relies on (a double free, a
-    release of pages never allocated)."""
+from hicache_async_ack_lab.sim.cache import SimController
+from hicache_async_ack_lab.sim.host_tree import SimViolation
 
 
 @dataclass
@@ -70,12 +63,13 @@ def handle_key(handle) -> tuple:
 
 
 class HostPool:
-    """Host pages 0..size-1 (page size 1); the lowest free pages go first."""
+    """Host slots 0..size-1 in pages of ``page_size``; the lowest free pages go
+    first (``free_pages``: the free slots)."""
 
-    def __init__(self, size: int):
-        self.size = self.logical_size = size
-        self.page_size = 1
-        self.free_pages = set(range(size))
+    def __init__(self, size: int, page_size: int = 1):
+        self.page_size = page_size
+        self.size = self.logical_size = size // page_size * page_size
+        self.free_pages = set(range(self.size))
 
     def available_size(self) -> int:
         return len(self.free_pages)
@@ -83,11 +77,13 @@ class HostPool:
     def alloc(self, n: int):
         import torch
 
-        if n <= 0 or n > len(self.free_pages):
+        ps = self.page_size
+        if n <= 0 or n % ps or n > len(self.free_pages):
             return None
-        pages = sorted(self.free_pages)[:n]
-        self.free_pages.difference_update(pages)
-        return torch.tensor(pages, dtype=torch.int64)
+        starts = sorted(p for p in self.free_pages if p % ps == 0)[: n // ps]
+        slots = [s + i for s in starts for i in range(ps)]
+        self.free_pages.difference_update(slots)
+        return torch.tensor(slots, dtype=torch.int64)
 
     def free(self, indices, pool=None) -> None:
         pages = [int(i) for i in indices.tolist()]
@@ -124,154 +120,48 @@ class PassTimer:
 
 
 @dataclass
-class Node:
-    id: int
-    key: Any  # a request's (rid, attempt), or a cold node's name
-    pages: Any  # host indices (a tensor)
-    cold: bool = False
-    admitted: bool = False
-    locks: int = 0
-    tokens: tuple = ()  # the token ids from the root to this node's end
-    parent: int = ROOT
-
-
-class LifecycleTree(SimTreeCore):
-    """The tree's host side, as far as the prefetch lifecycle touches it."""
-
-    def __init__(self, record: Record, exposed: bool = False):
-        super().__init__()
-        self.record = record
-        self.exposed = exposed
-        self.is_eagle = False
-        self.nodes: dict[int, Node] = {}
-        self.by_key: dict = {}
-        self.owner: Any = None  # the request whose prefetch result is being inserted
-        self._next = ROOT + 1
-
-    def add_cold(self, name: str, pages) -> None:
-        node = Node(self._next, name, pages, cold=True)
-        self.nodes[node.id] = node
-        self._next += 1
-
-    def prefetch_anchor_info(self, node_id):
-        return None, None
-
-    def inc_host_lock_ref(self, node_id):
-        from sglang.srt.mem_cache.base_prefix_cache import IncLockRefResult
-
-        if node_id in self.nodes:
-            self.nodes[node_id].locks += 1
-        return IncLockRefResult(delta=0, node_id=node_id)
-
-    def dec_host_lock_ref(self, node_id, params=None):
-        from sglang.srt.mem_cache.base_prefix_cache import DecLockRefResult
-
-        node = self.nodes.get(node_id)
-        if node is not None:
-            if node.locks <= 0:
-                raise SimViolation(f"host lock of node {node_id} released more than taken")
-            node.locks -= 1
-        return DecLockRefResult(delta=0)
-
-    def insert_host(self, node_id, key, host_value, hash_value):
-        from sglang.srt.mem_cache.base_prefix_cache import InsertResult
-
-        if len(key) == 0:
-            return InsertResult(prefix_len=0, mamba_exist=True)
-        tokens = tuple(int(t) for t in key.token_ids)
-        # the deepest node already holding a prefix of these tokens (a shared prefix)
-        parent = max(
-            (n for n in self.nodes.values() if n.tokens and tokens[: len(n.tokens)] == n.tokens),
-            key=lambda n: len(n.tokens),
-            default=None,
-        )
-        prefix = 0 if parent is None else len(parent.tokens)
-        owner = self.owner
-        node = Node(self._next, owner, host_value[prefix:].clone(), tokens=tokens,
-                    parent=ROOT if parent is None else parent.id)  # fmt: skip
-        self._next += 1
-        if prefix < len(tokens):
-            self.nodes[node.id] = node
-            self.by_key[owner] = node.id
-        self.record.add(owner, "inserted", len(key), prefix)
-        return InsertResult(prefix_len=prefix, total_len=len(key), inserted_host_node=node.id)
-
-    def host_locks(self) -> int:
-        """Host locks held on the tree's nodes (prefetch anchors, pins)."""
-        return sum(n.locks for n in self.nodes.values())
-
-    def commit_hicache_transfers(self, *args, **kwargs) -> None:
-        pass
-
-    def admit(self, key) -> None:
-        node = self.nodes.get(self.by_key.get(key, -1))
-        if node is not None:
-            node.admitted = True
-
-    def finished(self, key) -> None:
-        """The request finished running: its node is the tree's again."""
-        node = self.nodes.get(self.by_key.get(key, -1))
-        if node is not None:
-            node.admitted = False
-
-    def evictable(self, node: Node) -> bool:
-        if node.locks or node.admitted:
-            return False
-        if any(n.parent == node.id for n in self.nodes.values()):
-            return False  # a leaf first
-        return node.cold or self.exposed
-
-    def evict(self, num_tokens: int, pool: HostPool) -> int:
-        freed = 0
-        while freed < num_tokens:
-            node = next((n for n in sorted(self.nodes.values(), key=lambda n: n.id)
-                         if self.evictable(n)), None)  # fmt: skip
-            if node is None:
-                break
-            del self.nodes[node.id]
-            pool.free(node.pages)
-            freed += len(node.pages)
-            self.record.add(node.key, "evicted", len(node.pages))
-        return freed
-
-
-@dataclass
 class Script:
     """One request's storage, as this rank sees it: passes after submission."""
 
     hit_at: Optional[int]  # the hit answer (None: the query never returns)
-    hit_tokens: int
+    hit_tokens: int  # what L3 holds of the prompt, from its first token
     progress: list  # [(passes after submission, tokens read so far)], rising
     finish_at: Optional[int]  # the final ack (completed_req)
+    error: Optional[str] = None  # "query": it answers 0; "read": progress stops short
 
 
 class SimAck:
     """A PrefetchAck as upstream's sync thread publishes it; the tokens are read
     when the scheduler drains it, capped by the pages the allocation kept."""
 
-    def __init__(self, uid: int, operation, tokens: Optional[int], completed_req: bool):
+    def __init__(self, uid: int, operation, tokens: Optional[int], completed_req: bool,
+                 page_size: int = 1):  # fmt: skip
         self.uid = uid
         self.operation = operation
         self.tokens = tokens
         self.completed_req = completed_req
         self.pool_hits = None
+        self.page_size = page_size
 
     @property
     def completed_tokens(self) -> Optional[int]:
         if self.tokens is None:
             return None
-        op = self.operation
-        return max(op.completed_tokens, min(self.tokens, len(op.hash_value)))
+        op, ps = self.operation, self.page_size
+        return max(op.completed_tokens, min(self.tokens // ps, len(op.hash_value)) * ps)
 
 
 class LifecycleController(SimController):
     """The controller's side of the prefetch path (see the module docstring)."""
 
-    def __init__(self, clock, record: Record, host_pages: int, capacity: int, mode: str):
+    def __init__(self, clock, record: Record, host_pages: int, capacity: int, mode: str,
+                 page_size: int = 1, sidecar: Any = None):  # fmt: skip
         super().__init__()
         self.clock = clock
         self.record = record
-        self.pool = HostPool(host_pages)
+        self.page_size = page_size
+        self.sidecar = sidecar  # a sidecar pool's name: its release queue
+        self.pool = HostPool(host_pages, page_size)
         self.mem_pool_host = cast(Any, self.pool)
         self.prefetch_capacity_limit = capacity
         self.prefetch_tokens_occupied = 0
@@ -284,6 +174,7 @@ class LifecycleController(SimController):
         self.submitted: dict = {}  # rid -> submissions so far
         self.l3_queries = 0  # hit queries sent to the store (prefetches, decode probes)
         self.reads = 0  # reads started
+        self.keys_read = 0  # the pages (L3 keys) those reads asked for
         self.probing: Any = None  # the rid a decode prealloc's probe is for (its handle is a dummy)
         # work started where stock's own rule says no, on this state (must stay 0)
         self.bypassed: dict[str, int] = {}
@@ -297,8 +188,23 @@ class LifecycleController(SimController):
 
         for name in STORAGE_QUEUES:
             setattr(self, name, LifecycleQueue(name, self.pops))
-        self.extra_host_mem_release_queues = {}
+        self.extra_host_mem_release_queues = (
+            {} if self.sidecar is None else {self.sidecar: LifecycleQueue(self.sidecar, self.pops)}
+        )
         self.enable_storage = True
+
+    def reset(self) -> None:
+        """``flush_cache``: queues cleared, occupancy 0, the storage threads'
+        work in flight dropped (upstream stops and restarts them)."""
+        super().reset()
+        self.prefetch_tokens_occupied = 0
+        self.due = []
+
+    def detach_storage(self) -> None:
+        """``detach_storage_backend``: the storage threads stop (what they had in
+        flight is never reported)."""
+        super().detach_storage()
+        self.due = []
 
     def get_stats(self):
         return None
@@ -318,7 +224,10 @@ class LifecycleController(SimController):
             PrefetchSubmission,
         )
 
-        op = PrefetchOperation(handle, prefetch_key, last_hash, prefix_keys=prefix_keys)
+        aux = args[1] if len(args) > 1 else kwargs.get("pool_transfers")
+        op = PrefetchOperation(handle, prefetch_key, last_hash, prefix_keys=prefix_keys,
+                               pool_transfers=aux)  # fmt: skip
+        op.requested = len(prefetch_key)
         op.ack_releases_incomplete_host_indices = False  # until its read starts
         if self.host_memory_mode == "cache" and self.prefetch_rate_limited():
             self.bypass("a prefetch started past the limiter")
@@ -341,6 +250,7 @@ class LifecycleController(SimController):
         next submission, as the store answers it now."""
         script = self.next_script(self.probing, peek=True)
         hit = 0 if script is None or script.hit_at is None else script.hit_tokens
+        hit = 0 if script is not None and script.error == "query" else hit
         if self.prefetch_rate_limited():
             self.bypass("an L3 probe past the limiter")
         self.l3_queries += 1
@@ -376,14 +286,20 @@ class LifecycleController(SimController):
             put()
 
     def _answer(self, op, s: Script) -> None:
-        hit = s.hit_tokens
-        op.hash_value = [f"{op.handle.rid}:{i}" for i in range(hit)]
+        """The store's answer for this query: what it holds of the prompt past the
+        query's start (``storage_start``: the matched prefix), in whole pages."""
+        ps = self.page_size
+        start = getattr(op, "storage_start", 0) or 0
+        hit = 0 if s.error == "query" else max(0, min(s.hit_tokens - start, op.requested))
+        hit -= hit % ps
+        op.hash_value = [f"{op.handle.rid}:{start + i}" for i in range(0, hit, ps)]
         op.storage_hit_count = hit
         op.uid = self.next_uid()
         cast(Any, self.prefetch_hit_queue).put(op)
 
     def _ack(self, op, tokens: Optional[int], completed_req: bool) -> None:
-        cast(Any, self.ack_prefetch_queue).put(SimAck(self.next_uid(), op, tokens, completed_req))
+        ack = SimAck(self.next_uid(), op, tokens, completed_req, self.page_size)
+        cast(Any, self.ack_prefetch_queue).put(ack)
 
     def bypass(self, what: str) -> None:
         self.bypassed[what] = self.bypassed.get(what, 0) + 1
@@ -391,6 +307,7 @@ class LifecycleController(SimController):
     def put(self, op) -> None:  # prefetch_buffer.put: the read starts
         op.ack_releases_incomplete_host_indices = True
         self.reads += 1
+        self.keys_read += len(op.hash_value)
         if op.is_terminated():
             self.bypass("a read of an ended prefetch")
         s = getattr(op, "script", None)
@@ -418,6 +335,7 @@ class LifecycleController(SimController):
         alloc_len = hit_tokens
         if host is None and allow_partial:
             alloc_len = min(hit_tokens, pool.available_size())
+            alloc_len -= alloc_len % self.page_size
             if alloc_len >= min_tokens:
                 host = pool.alloc(alloc_len)
         key = handle_key(operation.handle)
@@ -425,9 +343,10 @@ class LifecycleController(SimController):
         return host, alloc_len
 
     def append_host_mem_release(self, host_indices=None, extra_pools=None) -> None:
+        # a KV-derived sidecar's indices are the KV's: upstream queues none of its own
         if host_indices is None or host_indices.numel() == 0:
             return
-        for page in host_indices.split(1):
+        for page in host_indices.split(self.page_size):
             cast(Any, self.host_mem_release_queue).put(page)
 
 

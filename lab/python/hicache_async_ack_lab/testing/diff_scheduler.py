@@ -1,29 +1,39 @@
 """The scheduler's side of a differential scenario on one rank
-(:mod:`.differential`): arrivals, aborts, finished requests, the boundary and
-the storage retries, then the waiting-queue walk (prefill) or the transfer
-queue (PD decode), as SGLang 0.5.23's scheduler runs them, and what limited
-the walk."""
+(:mod:`.differential`), in the order of SGLang 0.5.23's event loop, through
+upstream's own methods on a minimal ``Scheduler``
+(:mod:`hicache_async_ack_lab.sim.sched_shim`): arrivals and retractions
+(``Scheduler._add_request_to_queue``: ``_prefetch_kvcache`` matches the device and
+host trees and prefetches the remainder), aborts (``_release_aborted_request``), this
+rank's storage reports, finished requests, device pressure, the operator's
+flush / detach / attach once the scheduler is idle, the boundary
+(``Scheduler._process_hicache_events``: ``check_hicache_events``, then the storage
+retries through ``_process_storage_prefetch_retries`` / ``_retry_storage_prefetch``),
+then the waiting-queue walk (:mod:`.diff_walk`) or a PD decode node's transfer queue.
+
+Requests are SGLang's own ``Req`` objects, kept alive in the waiting queue (a held
+start re-runs ``_prefetch_kvcache`` on them). A prompt is its cacheable tokens and one
+tail token (the match stops one short of the prompt: ``_compute_max_prefix_len``), so
+a request of n tokens asks L3 for at most n; a family's requests share their first
+tokens (a system prompt), so they match what another one's prefetch inserted.
+"""
 
 from __future__ import annotations
 
-from hicache_async_ack_lab.sim.admission import SchedulerShim, adder_for, admit
+import dataclasses
+
+from hicache_async_ack_lab.sim.host_tree import ROOT
 from hicache_async_ack_lab.sim.lifecycle import Record, handle_key
+from hicache_async_ack_lab.sim.sched_shim import new_req, new_scheduler
+from hicache_async_ack_lab.testing import diff_walk
 
-TOKEN_BASE = 1_000_000  # request i attempt a prompts tokens from (i * 64 + a) * TOKEN_BASE
+TOKEN_BASE = 1_000_000  # request i attempt a: its own tokens from (i * 64 + a) * TOKEN_BASE
 FAMILY_BASE = 900_000_000  # a family's shared prefix tokens from (f + 1) * FAMILY_BASE
+TAIL = 7  # the prompt's last token (never cached)
 
 
-class Req:
-    """What the scheduler keeps per waiting request (the retries read rid and
-    storage_prefetch_retry_attempts)."""
-
-    def __init__(self, rid: str, tokens: list[int], arrived: int):
-        self.rid = rid
-        self.tokens = tokens
-        self.arrived = arrived
-        self.storage_prefetch_retry_attempts = 0
-        self.loaded = 0  # storage tokens popped for it (kept across a refused admission)
-        self.start = None
+def family_tokens(family: int, n: int) -> list[int]:
+    base = (family + 1) * FAMILY_BASE
+    return list(range(base, base + n))
 
 
 class Scheduler:
@@ -32,72 +42,86 @@ class Scheduler:
     def __init__(self, spec: dict, rank: int, sim, record: Record):
         self.spec, self.rank, self.sim, self.record = spec, rank, sim, record
         self.cache = sim.cache
+        self.page_size = spec.get("page_size", 1)
+        self.shim = new_scheduler(self.cache, spec, self.page_size)
         self.requests = {r["rid"]: r for r in spec["requests"]}
         self.index = {r["rid"]: i for i, r in enumerate(spec["requests"])}
         self.limits_spec = spec.get("limits", {})
         self.attempt: dict = {}
-        self.waiting: list[Req] = []  # arrival order
-        self.transfer: list[Req] = []  # PD decode: the transfer queue
-        self.running: dict = {}  # rid -> the pass it finishes
+        self.arrived: dict = {}  # rid -> the pass its current attempt arrived
+        self.transfer: list = []  # PD decode: the transfer queue
+        self.running: dict = {}  # rid -> (Req, the pass it finishes)
         self.requeue_at: dict = {}  # pass -> [rid]
         self.limits: list = []  # (pass, kind, key): what limited the walk
-        self.adder = adder_for(self.cache)
-        self.scheduler = SchedulerShim(self.cache)
+        self.popped: dict = {}  # key -> L3 tokens popped for it, until its admission
+        self.admin = [list(a) for a in spec.get("admin", [])]  # [pass, what] still to do
 
-    def handle(self, rid):
-        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+    @property
+    def waiting(self) -> list:
+        return self.shim.waiting_queue
 
-        return CacheRequestHandle(rid=rid, attempt_id=self.attempt[rid])
+    def decode(self) -> bool:
+        return self.spec.get("mode") == "decode"
 
     def key(self, rid) -> tuple:
         return (rid, self.attempt[rid])
 
     def tokens_of(self, rid: str) -> list[int]:
+        """The prompt's cacheable tokens (the tail token follows them)."""
         r = self.requests[rid]
         first = (self.index[rid] * 64 + self.attempt[rid]) * TOKEN_BASE
         family = r.get("family")
-        shared = []
-        if family is not None:
-            base = (family[0] + 1) * FAMILY_BASE
-            shared = list(range(base, base + min(family[1], r["tokens"])))
+        shared = [] if family is None else family_tokens(family[0], min(family[1], r["tokens"]))
         return shared + list(range(first, first + r["tokens"] - len(shared)))
 
-    def prefetch(self, req: Req, storage_hit_end=None) -> None:
-        """``Scheduler._prefetch_kvcache``: the whole prompt from the root."""
-        stats = self.cache._prefetch_outcome_stats
-        declined = stats["declined_rate_limited"]
-        self.cache.prefetch_from_storage(
-            self.handle(req.rid), 0, req.tokens, None, None, matched_prefix_tokens=[],
-            extra_key=None, cache_salt=None, storage_hit_end=storage_hit_end,
-        )  # fmt: skip
-        if stats["declined_rate_limited"] != declined:
-            self.limits.append((self.sim.cc.clock.now, "declined_rate_limited", self.key(req.rid)))
+    def stats(self) -> int:
+        return self.cache._prefetch_outcome_stats["declined_rate_limited"]
 
+    # -- arrivals
     def arrive(self, rid: str, p: int) -> None:
-        self.attempt[rid] = self.attempt.get(rid, -1) + 1
-        req = Req(rid, self.tokens_of(rid), p)
-        self.record.add(self.key(rid), "arrived")
-        if self.spec.get("mode") == "decode":
-            return self.prealloc(req, p)
-        self.prefetch(req)
-        self.waiting.append(req)
+        from sglang.srt.managers.scheduler import Scheduler as Upstream
 
-    def prealloc(self, req: Req, p: int) -> None:
+        self.attempt[rid] = self.attempt.get(rid, -1) + 1
+        self.arrived[rid] = p
+        r = self.requests[rid]
+        req = new_req(rid, self.tokens_of(rid) + [TAIL], r.get("priority"))
+        req.cache_request_handle = dataclasses.replace(
+            req.cache_request_handle, attempt_id=self.attempt[rid]
+        )
+        self.record.add(self.key(rid), "arrived")
+        if self.decode():
+            return self.prealloc(req, p)
+        declined = self.stats()
+        Upstream._add_request_to_queue(self.shim, req)
+        if self.stats() != declined:
+            self.limits.append((p, "declined_rate_limited", self.key(rid)))
+
+    def prealloc(self, req, p: int) -> None:
         """A PD decode node's prealloc: probe L3, then prefetch the hit (its end known)."""
         cache, cc = self.cache, self.sim.cc
+        tokens = list(req.origin_input_ids[:-1])
         limited = cc.prefetch_rate_limited()
         cc.probing = req.rid
-        hit = cache.query_storage_hit_length(0, req.tokens)
-        self.record.add(self.key(req.rid), "probe", hit)
+        hit = cache.query_storage_hit_length(ROOT, tokens)
+        self.record.add(handle_key(req.cache_request_handle), "probe", hit)
         if limited:
-            self.limits.append((p, "probe_rate_limited", self.key(req.rid)))
+            self.limits.append((p, "probe_rate_limited", handle_key(req.cache_request_handle)))
         if hit > 0:
-            self.prefetch(req, storage_hit_end=hit)
+            declined = self.stats()
+            cache.prefetch_from_storage(
+                req.cache_request_handle, ROOT, tokens, None, None, matched_prefix_tokens=[],
+                extra_key=None, cache_salt=None, storage_hit_end=hit,
+            )  # fmt: skip
+            if self.stats() != declined:
+                self.limits.append((p, "declined_rate_limited", self.key(req.rid)))
         self.transfer.append(req)
 
+    # -- the pass
     def step(self, p: int, arriving: bool) -> None:
-        cache, spec = self.cache, self.spec
-        declined = cache._prefetch_outcome_stats["declined_rate_limited"]
+        from sglang.srt.managers.scheduler import Scheduler as Upstream
+
+        spec = self.spec
+        declined = self.stats()
         for rid in self.requeue_at.pop(p, []):
             self.arrive(rid, p)
         for r in spec["requests"] if arriving else ():
@@ -105,108 +129,124 @@ class Scheduler:
                 self.arrive(r["rid"], p)
         for r in spec["requests"]:
             if r.get("abort") == p:
-                self.abort(r["rid"], p)
+                self.abort(r["rid"])
+            if r.get("retract") == p:
+                self.retract(r["rid"])
         self.sim.cc.deliver()
-        for rid, until in list(self.running.items()):
+        for rid, (req, until) in list(self.running.items()):
             if until <= p:
-                del self.running[rid]
-                self.sim.tree.finished(self.key(rid))
-        self.scheduler.boundary()
-        self.retries(p)
-        if spec.get("mode") == "decode":
-            self.transfer_queue(p)
-        else:
-            admitted = self.walk(p)
-            if admitted or self.running:
-                self.scheduler.forward_ct += 1  # the pass ran a forward
-        parked = cache._prefetch_outcome_stats["declined_rate_limited"] - declined
+                self.finish(rid, req)
+        evict = spec.get("evict_device", {}).get(str(p))
+        if evict:
+            self.sim.tree.evict_device(evict)
+        self.operator(p)
+        Upstream._process_hicache_events(self.shim, should_retry_storage_prefetch=not self.decode())
+        if self.decode():
+            self.transfer_queue()
+        elif diff_walk.walk(self, p) or self.running:
+            self.shim.forward_ct += 1  # the pass ran a forward
+        parked = self.stats() - declined
         parked -= sum(1 for lim in self.limits if lim[0] == p and lim[1] == "declined_rate_limited")
-        if parked > 0:  # buffer_only: hits parked for host capacity in the drain
+        if parked > 0:  # retries declined, buffer_only hits parked for host capacity
             self.limits.append((p, "declined_rate_limited", parked))
 
-    def abort(self, rid: str, p: int) -> None:
-        queue = self.transfer if self.spec.get("mode") == "decode" else self.waiting
-        req = next((q for q in queue if q.rid == rid), None)
-        if req is None:
+    def finish(self, rid: str, req) -> None:
+        """The request finished running: its path is the tree's again (its own KV
+        is not inserted: see docs/differential.md)."""
+        del self.running[rid]
+        self.cache.unlock(req.lock)
+        req.lock = None
+        self.record.add(self.key(rid), "finished")
+
+    def admitted(self, req, p: int, loaded: int) -> None:
+        """``req`` joined the batch of pass ``p`` with ``loaded`` tokens from L3."""
+        key = handle_key(req.cache_request_handle)
+        if self.cache.buffer_pipeline is not None:
+            self.cache.buffer_pipeline.consume(req.cache_request_handle)
+        self.record.add(key, "admitted", loaded, req.prefix_len)
+        r = self.requests[req.rid]
+        self.running[req.rid] = (req, p + 1 + int(r.get("decode", 2)))
+        if r.get("requeue") is not None and self.attempt[req.rid] == 0:
+            self.requeue_at.setdefault(p + 1 + r["requeue"], []).append(req.rid)
+
+    def abort(self, rid: str) -> None:
+        """An abort of a waiting (prefetching or not), running or queued decode request."""
+        from sglang.srt.managers.scheduler import Scheduler as Upstream
+
+        if rid in self.running:
+            req, _ = self.running.pop(rid)
+            self.cache.unlock(req.lock)
+            req.lock, state = None, "running"
+        else:
+            queue = self.transfer if self.decode() else self.waiting
+            req = next((q for q in queue if q.rid == rid), None)
+            if req is None:
+                return
+            queue.remove(req)
+            ongoing = req.cache_request_handle in self.cache.ongoing_prefetch
+            state = "prefetching" if ongoing else "waiting"
+        self.record.add(self.key(rid), "aborted", state)
+        if self.decode():
+            self.cache.release_aborted_request(req.cache_request_handle)
+        else:
+            Upstream._release_aborted_request(self.shim, req)
+
+    def retract(self, rid: str) -> None:
+        """Decode ran out of memory: the running request goes back to the queue
+        (``retract_decode``, then ``_add_request_to_queue(req, is_retracted=True)``)."""
+        from sglang.srt.managers.scheduler import Scheduler as Upstream
+
+        if rid not in self.running or self.decode():
             return
-        self.record.add(self.key(rid), "aborted")
-        self.cache.release_aborted_request(self.handle(rid))
-        queue.remove(req)
-
-    def retries(self, p: int) -> None:
-        """``Scheduler._process_storage_prefetch_retries`` after the boundary."""
-        retry = self.spec.get("retry")
-        if retry is None or self.spec.get("mode") == "decode":
-            return
-        ready = self.cache.storage_prefetch_retries.pop_ready(
-            self.waiting, retry["interval"], retry["attempts"]
-        )
-        for req, storage_hit_end in ready:
-            req.storage_prefetch_retry_attempts += 1
-            self.record.add(self.key(req.rid), "reissued")
-            self.prefetch(req, storage_hit_end)
-
-    def walk(self, p: int) -> list:
-        cache, lim = self.cache, self.limits_spec
-        if p in lim.get("full", ()):
-            return []
-        cutoff = lim.get("cutoff", {}).get(str(p))
-        budget = lim.get("tokens")
-        rem = budget if budget is not None else None
-        allocatable = None if lim.get("running") is None else lim["running"] - len(self.running)
-        admitted: list = []
-        for req in list(self.waiting):
-            if cutoff is not None and req.arrived >= cutoff:
-                break  # the batch is full from here on (by arrival)
-            if rem is not None and rem <= 0:
-                self.limits.append((p, "token_budget", self.key(req.rid)))
-                break
-            if allocatable is not None and len(admitted) >= allocatable:
-                self.limits.append((p, "batch_full", self.key(req.rid)))
-                break
-            h = self.handle(req.rid)
-            if not cache.check_prefetch_progress(h):
-                continue
-            loaded, start = cache.pop_prefetch_loaded_span(h)
-            if loaded:
-                req.loaded, req.start = loaded, start
-            extend = len(req.tokens) - req.loaded
-            if rem is not None and extend > rem and admitted:
-                # add_one_req: NO_TOKEN (the first of a batch is chunked instead)
-                self.limits.append((p, "refused", self.key(req.rid)))
-                break
-            self.record.admitting = True  # its accounting's exit is the admission's
-            try:
-                admit(self.adder, h, req.loaded, len(req.tokens), req.start)
-            finally:
-                self.record.admitting = False
-            key = handle_key(h)
-            self.sim.tree.admit(key)
-            if cache.buffer_pipeline is not None:
-                cache.buffer_pipeline.consume(h)
-            self.record.add(key, "admitted", req.loaded)
-            if rem is not None:
-                rem -= extend
-            self.waiting.remove(req)
-            admitted.append(req.rid)
-            cache.storage_prefetch_retries.cancel(req.rid)
-            r = self.requests[req.rid]
-            if lim.get("running") is not None:  # it holds its pages until it finishes
-                self.running[req.rid] = p + 1 + int(r.get("decode", 2))
-            if r.get("requeue") is not None and self.attempt[req.rid] == 0:
-                self.requeue_at.setdefault(p + 1 + r["requeue"], []).append(req.rid)
-        return admitted
-
-    def transfer_queue(self, p: int) -> None:
-        cache = self.cache
-        for req in list(self.transfer):
-            h = self.handle(req.rid)
-            if not cache.check_prefetch_progress(h):
-                continue
-            loaded = cache.pop_prefetch_loaded_tokens(h)
-            self.record.add(self.key(req.rid), "loaded_back", loaded)
-            self.transfer.remove(req)
+        req, _ = self.running.pop(rid)
+        self.cache.unlock(req.lock)
+        first = (self.index[rid] * 64 + 63) * TOKEN_BASE  # what it decoded so far
+        req.output_ids.extend(range(first, first + 2))
+        req.reset_for_retract()
+        self.record.add(self.key(rid), "retracted")
+        self.arrived[rid] = self.sim.cc.clock.now
+        Upstream._add_request_to_queue(self.shim, req, is_retracted=True)
 
     def idle(self) -> bool:
         return not (self.waiting or self.transfer or self.running or self.requeue_at
                     or self.cache.ongoing_prefetch)  # fmt: skip
+
+    def operator(self, p: int) -> None:
+        """The operator's flush / detach / attach, due from its pass on, done once
+        the scheduler accepts it (SGLang refuses them unless idle; a paused engine
+        flushes with requests waiting)."""
+        for item in list(self.admin):
+            at, what = item
+            if at > p:
+                continue
+            busy = bool(self.running) if what == "paused_flush" else not self.idle()
+            if busy:
+                continue
+            self.admin.remove(item)
+            self.record.add("operator", what, at)
+            if what in ("flush", "paused_flush"):
+                self.flush()
+            elif what == "detach":
+                self.sim.detach_storage()
+                self.shim.enable_hicache_storage = False
+            elif what == "attach":
+                self.sim.attach_storage()
+                self.shim.enable_hicache_storage = True
+
+    def flush(self) -> None:
+        """``flush_cache``: upstream's ``reset()`` (the tree, the controller, the
+        host pool, the prefetch state, a fresh retry set: recorded again)."""
+        from hicache_async_ack_lab.testing.differential import RecordingRetries
+
+        self.cache.reset()
+        self.cache.storage_prefetch_retries = RecordingRetries(self.record)
+
+    def transfer_queue(self) -> None:
+        cache = self.cache
+        for req in list(self.transfer):
+            h = req.cache_request_handle
+            if not cache.check_prefetch_progress(h):
+                continue
+            loaded = cache.pop_prefetch_loaded_tokens(h)
+            self.record.add(handle_key(h), "loaded_back", loaded)
+            self.transfer.remove(req)

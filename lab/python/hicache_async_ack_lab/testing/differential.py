@@ -51,23 +51,29 @@ import traceback
 from collections import defaultdict
 from types import SimpleNamespace
 
+from hicache_async_ack import env as plugin_env
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR, PREFETCH_VOTES_VAR
 from hicache_async_ack_lab.plugin_env import EventLog, installed
 from hicache_async_ack_lab.sim.buffer_stage import BufferStage
 from hicache_async_ack_lab.sim.cache import build_cache
+from hicache_async_ack_lab.sim.host_tree import HostTree
 from hicache_async_ack_lab.sim.lifecycle import (
     LifecycleController,
-    LifecycleTree,
     PassTimer,
     Record,
     Script,
     handle_key,
 )
+from hicache_async_ack_lab.sim.sched_shim import KVAllocator, server_config
 from hicache_async_ack_lab.testing import diff_controls
-from hicache_async_ack_lab.testing.diff_scheduler import Scheduler
+from hicache_async_ack_lab.testing.diff_scheduler import Scheduler, family_tokens
 from hicache_async_ack_lab.testing.spec_ranks import run_specs
 
-VARS = (ENABLE_VAR, PREFETCH_VOTES_VAR, DEPTH_VAR)
+# issue 52's read-once setting (its name from the plugin once it declares it)
+READ_ONCE_VAR = getattr(
+    plugin_env, "READ_ONCE_VAR", "SGLANG_ENABLE_HICACHE_ASYNC_PREFETCH_READ_ONCE"
+)
+VARS = (ENABLE_VAR, PREFETCH_VOTES_VAR, DEPTH_VAR, READ_ONCE_VAR)
 DRAIN = 60  # passes after the last one, at most, for what is left to settle
 
 
@@ -120,22 +126,35 @@ class MetricsRecorder:
 
 
 def build(spec: dict, rank: int, world: int, group, clock, log: EventLog, plugin: bool):
+    from sglang.srt.mem_cache.hicache_storage import PoolName, SidecarPoolSpec
     from sglang.srt.mem_cache.unified_cache.component_type import BASE_COMPONENT_TYPE
+    from sglang.srt.session.streaming_session import StreamingSession
 
     mode = spec.get("host_memory_mode", "cache")
+    ps = spec.get("page_size", 1)
     record = Record(clock)
-    cc = LifecycleController(clock, record, spec["host_pages"], spec["capacity"], mode)
-    tree = LifecycleTree(record, exposed=spec.get("exposed", False))
+    sidecar = PoolName.INDEXER if spec.get("sidecar") else None
+    cc = LifecycleController(clock, record, spec["host_pages"] * ps, spec["capacity"], mode,
+                             page_size=ps, sidecar=sidecar)  # fmt: skip
+    tree = HostTree(record, page_size=ps, exposed=spec.get("exposed", False))
     sim = build_cache(tp_group=group, tp_world_size=world, storage=True,
                       host_memory_mode=mode, cc=cc, tree=tree)  # fmt: skip
     cache = sim.cache
     d = cache.__dict__
-    # upstream's own accounting and host locks here (the tree keeps the locks)
-    d.pop("_account_prefetch_outcome")
-    d.pop("dec_host_lock_ref")
+    # upstream's own accounting, host locks and lock paths here (the tree keeps the locks)
+    for name in ("_account_prefetch_outcome", "dec_host_lock_ref", "dec_lock_ref"):
+        d.pop(name)
     pool = cc.pool
     d.update(
         disable=False,
+        session=StreamingSession(cache),
+        session_refs=SimpleNamespace(reset=lambda: None),
+        _components_tuple=(),
+        is_mamba_enabled=False,
+        is_swa_enabled=False,
+        decoder_swa_bounded_replay=False,
+        token_to_kv_pool_allocator=KVAllocator(ps),
+        init_load_back=lambda params: load_back(tree, params),
         prefetch_stop_policy=spec.get("policy", "timeout"),
         prefetch_threshold=spec.get("threshold", 1),
         prefetch_timeout_base=0.0,
@@ -155,15 +174,18 @@ def build(spec: dict, rank: int, world: int, group, clock, log: EventLog, plugin
                 free_host_values=pool.free, build_hicache_transfers=lambda *a, **k: []
             )
         },
-        sidecar_pool_specs=[],
+        sidecar_pool_specs=[] if sidecar is None else [SidecarPoolSpec(sidecar, PoolName.KV)],
         evict_host=lambda n, component_type=None: tree.evict(n, pool),
     )
     if mode == "buffer_only":
         d["buffer_pipeline"] = BufferStage(cache, record)
     for name, pages in spec.get("cold", []):
-        held = pool.alloc(pages)
+        held = pool.alloc(pages * ps)
         if held is not None:  # what does not fit was never cached
             tree.add_cold(name, held)
+    for name, family, tokens, backed in spec.get("warm", []):
+        host = pool.alloc(tokens) if backed else None  # written through, if it fits
+        tree.add_warm(name, tuple(family_tokens(family, tokens)), host)
     budgets = {r["rid"]: per_rank(r.get("budget"), rank) for r in spec["requests"]}
     instrument(cache, record, clock, budgets, tree)
     if plugin:
@@ -175,7 +197,16 @@ def build(spec: dict, rank: int, world: int, group, clock, log: EventLog, plugin
     return sim, record
 
 
-def instrument(cache, record: Record, clock, budgets: dict, tree: LifecycleTree) -> None:
+def load_back(tree: HostTree, params):
+    """``init_load_back`` (cache mode): the host hit on the device, its path locked
+    by the admission (upstream's ``load_back`` copies it through the controller)."""
+    if params.host_hit_length <= 0:
+        return 0, params.req.last_node
+    tree.load_back(params.best_match_node)
+    return params.host_hit_length, params.best_match_node
+
+
+def instrument(cache, record: Record, clock, budgets: dict, tree: HostTree) -> None:
     """Record the lifecycle's exits and the deadline's start, around upstream's
     own methods (instance attributes: the plugin's hooks sit on the class)."""
     d = cache.__dict__
@@ -232,6 +263,7 @@ def scripts_of(spec: dict, rank: int) -> dict:
                 hit_tokens=0 if s.get("hit") is None else s["hit"]["tokens"],
                 progress=[(per_rank(at, rank), tokens) for at, tokens in s.get("progress", [])],
                 finish_at=per_rank(s.get("finish"), rank),
+                error=s.get("error"),
             )
             for s in r["scripts"]
         ]
@@ -303,6 +335,11 @@ def plugin_loaded() -> bool:
 
 
 def run_scenario(spec: dict, rank: int, world: int, group) -> dict:
+    with server_config(spec):
+        return run_configured(spec, rank, world, group)
+
+
+def run_configured(spec: dict, rank: int, world: int, group) -> dict:
     plugin = plugin_loaded()
     clock = SimpleNamespace(now=-1)
     log = EventLog()
@@ -337,7 +374,7 @@ def run_scenario(spec: dict, rank: int, world: int, group) -> dict:
         pops=sorted([str(n), u] for n, u in cc.pops),
         free_pages=len(cc.pool.free_pages),
         occupied=cc.prefetch_tokens_occupied,
-        waiting=sorted(r.rid for r in sched.waiting + sched.transfer),
+        waiting=sorted(r.rid for r in list(sched.waiting) + sched.transfer),
         ongoing=sorted(h.rid for h in cache.ongoing_prefetch),
         limits=[
             [at, kind, list(k) if isinstance(k, tuple) else k] for at, kind, k in sched.limits
@@ -345,6 +382,7 @@ def run_scenario(spec: dict, rank: int, world: int, group) -> dict:
         collectives=counts,
         l3_queries=cc.l3_queries,
         reads=cc.reads,
+        keys_read=cc.keys_read,
         bypassed=dict(sorted(cc.bypassed.items())),
         host_locks=sim.tree.host_locks(),
         last_pass=last,
