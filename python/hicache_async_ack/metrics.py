@@ -95,6 +95,17 @@ FAMILIES: dict[str, tuple[tuple[str, int, str, str, Optional[str], tuple], ...]]
         ("failures", COUNTER, "sglang:hicache_prefetch_votes_failures",
          "Prefetch vote errors: ranks that disagree (mismatch) or a failed collective.",
          "reason", ()),
+        ("held", COUNTER, "sglang:hicache_prefetch_votes_held_starts",
+         "Storage prefetch starts held until the decisions stock had made when their "
+         "request arrived had landed here: a read in flight from their anchor covered "
+         "part of their remainder.", None, ()),
+        ("read_once_waits", COUNTER, "sglang:hicache_prefetch_read_once_waits",
+         "Requests that waited for a read in flight from their anchor to land instead of "
+         "reading it again from L3 (SGLANG_ENABLE_HICACHE_ASYNC_PREFETCH_READ_ONCE=1).",
+         None, ()),
+        ("read_once_saved", COUNTER, "sglang:hicache_prefetch_read_once_saved_tokens",
+         "Tokens those requests then found on the host instead of reading them from L3.",
+         None, ()),
     ),
     "offload": (
         ("pipelined", GAUGE, "sglang:hicache_decode_offload_sync_pipelined",
@@ -211,6 +222,9 @@ class PrefetchVoteMetrics(SyncSeries):
     voted: Any
     fallback: Any
     stopped: Any
+    held: Any
+    read_once_waits: Any
+    read_once_saved: Any
 
     def on_pass(
         self, wait_s: Optional[float], issue_s: float, voted: int, overflow: int = 0
@@ -226,6 +240,15 @@ class PrefetchVoteMetrics(SyncSeries):
 
     def on_stop(self, n: int = 1) -> None:
         self.stopped.inc(n)
+
+    def on_hold(self, why: str) -> None:
+        """A prefetch start held (vote_starts: ``pass`` or ``read_once``)."""
+        (self.read_once_waits if why == "read_once" else self.held).inc()
+
+    def on_read_once(self, saved_tokens: int) -> None:
+        """A read-once wait ended; ``saved_tokens`` found on the host instead of L3."""
+        if saved_tokens:
+            self.read_once_saved.inc(saved_tokens)
 
     def on_failure(self, reason: str) -> None:
         self.child("failures", "reason", reason).inc()

@@ -37,6 +37,8 @@ class Target:
 _URC, _M, _V, _OP = CACHE_MODULE, MANAGER_MODULE, (VOTES,), ("self", "operation")
 _DRAIN = ("self", "n_storage_hit", "n_ack_prefetch", "n_backup", "n_release",
           "extra_release_counts", "log_metrics")  # fmt: skip
+_START = ("self", "request", "last_host_node_id", "new_input_tokens", "last_hash", "prefix_keys",
+          "matched_prefix_tokens", "extra_key", "cache_salt", "storage_hit_end")  # fmt: skip
 TARGETS: tuple[Target, ...] = (
     Target(_URC, "UnifiedRadixCache.check_hicache_events", ("self",), BODY, (ACK, VOTES)),
     Target(_URC, "UnifiedRadixCache._sync_hicache_ready_counts", ("self",), BODY, (ACK, VOTES)),
@@ -55,6 +57,7 @@ TARGETS: tuple[Target, ...] = (
            ("self", "request", "fulfilled_tokens", "reason"), BODY, _V),
     Target(_URC, "UnifiedRadixCache._start_storage_prefetch_wait", _OP, BODY, _V),
     Target(_URC, "UnifiedRadixCache.release_aborted_request", ("self", "request"), BODY, _V),
+    Target(_URC, "UnifiedRadixCache.prefetch_from_storage", _START, BODY, _V),
     Target(_URC, "UnifiedRadixCache._handle_prefetch_result", _OP, BODY, _V),
     Target(_URC, "UnifiedRadixCache.reset", ("self",), SIGNATURE, _V),
     Target(_URC, "UnifiedRadixCache.inc_host_lock_ref", ("self", "node_id"), SIGNATURE, _V),
@@ -64,6 +67,8 @@ TARGETS: tuple[Target, ...] = (
            ("self", "req", "prefix_len"), BODY, _V),
     Target(ADDER_MODULE, "PrefillAdder.add_chunked_req", ("self", "req"), BODY, _V),
     Target(SCHEDULER_MODULE, "Scheduler._process_hicache_events", None, BODY, _V),
+    Target(SCHEDULER_MODULE, "Scheduler._prefetch_kvcache", ("self", "req", "storage_hit_end"),
+           BODY, _V),
     Target("sglang.srt.plugins.hook_registry", "_wrap_fn", None, BODY, SYNC_NAMES),
     Target(_M, "DecodeKVCacheOffloadManager.check_offload_progress", ("self",), BODY, (OFFLOAD,)),
     Target(_M, "DecodeKVCacheOffloadManager._check_offload_progress", ("self", "finish_count"),

@@ -9,8 +9,10 @@ import pytest
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR
 from hicache_async_ack.errors import HiCacheAckSyncError
 from hicache_async_ack.protocol import (
+    LAYOUT,
     PROTOCOL_VERSION,
     STORAGE_FLAG,
+    VOTES_FLAG,
     VOTES_SETTING_FLAG,
     Consumed,
     PipelinedAckSync,
@@ -46,8 +48,15 @@ def stamp_slot(depth=1, digest=0):
 # setting (on by default, sent where this SGLang has the votes at all; these
 # caches have no prefetch policy, so no section), plus the storage bit where a
 # backend is attached.
-VOTES_SETTING = int("prefetch_votes" in runs_here()) << VOTES_SETTING_FLAG
+VOTES_HERE = "prefetch_votes" in runs_here()
+VOTES_SETTING = int(VOTES_HERE) << VOTES_SETTING_FLAG
 STORAGE = 1 << STORAGE_FLAG
+# With a backend attached the ack counts pipeline only where the votes judge the walk
+# (SGLANG_ENABLE_HICACHE_ASYNC_PREFETCH_VOTES on, a release the votes run on); the
+# storage caches here carry SGLang's default policy, so their reduces carry a section.
+STORAGE_PIPELINES = pytest.mark.skipif(
+    not VOTES_HERE, reason="the prefetch votes do not run on this SGLang: storage is stock's"
+)
 
 
 def flags_slot(flags=VOTES_SETTING):
@@ -137,6 +146,7 @@ def test_failed_wait_surfaces_and_is_not_retried(make_cache, hub):
     assert len(hub.issued) == issued  # no new collective after a failure
 
 
+@STORAGE_PIPELINES
 def test_storage_counts_use_upstream_layout_and_drain(make_cache, hub):
     sim = make_cache(tp=2, storage=True, extra_pools=("mamba",))
     e_hit = sim.cc.put_storage("prefetch_hit_queue")
@@ -145,7 +155,8 @@ def test_storage_counts_use_upstream_layout_and_drain(make_cache, hub):
     e_ext = sim.cc.put_storage(("extra", "mamba"))
     w = acks(sim, "write", 1)
     sim.cache.check_hicache_events()
-    assert hub.issued[0] == [
+    section = 1 << VOTES_FLAG  # the votes' section rides after the flags
+    assert hub.issued[0][:11] == [
         1,
         0,
         1,
@@ -154,8 +165,9 @@ def test_storage_counts_use_upstream_layout_and_drain(make_cache, hub):
         1,
         1,
         *stamp_slot(),
-        *flags_slot(VOTES_SETTING | STORAGE),
+        *flags_slot(VOTES_SETTING | STORAGE | section),
     ]
+    assert len(hub.issued[0]) == 11 + LAYOUT
     # the peer has one backup ack fewer
     sim.cc.put_storage("ack_backup_queue")
     hub.peer = lambda v: [v[0], v[1], v[2], v[3], v[4] - 1] + v[5:]
@@ -167,6 +179,28 @@ def test_storage_counts_use_upstream_layout_and_drain(make_cache, hub):
     assert ("host_mem_release_queue", e_rel) in pops
     assert (("extra", "mamba"), e_ext) in pops
     assert hub.issued[1][:7] == [0, 0, 0, 0, 2, 0, 0]
+
+
+@pytest.mark.parametrize("votes", ["0", "1"])
+def test_storage_pipelines_only_where_the_votes_judge_the_walk(make_cache, hub, votes):
+    """Issue 52 item 3: a walk the votes do not decide runs upstream's per-request reduce
+    on the prefetches' progress; popped depth steps late, that progress would be staler
+    than stock's. So with a backend attached the ack counts keep SGLang's storage path
+    unless the votes ride (their setting on, on a release they run on); detached, they
+    pipeline again."""
+    from hicache_async_ack.env import PREFETCH_VOTES_VAR
+
+    sim = make_cache(tp=2, storage=True, env={PREFETCH_VOTES_VAR: votes})
+    state = state_of(sim.cache, "ack_counts")
+    decision = state.decide(sim.cache)
+    rides = votes == "1" and VOTES_HERE
+    assert decision.pipelined is rides
+    if not rides:
+        assert decision.code == "storage_without_votes"
+        sim.cache.check_hicache_events()
+        assert hub.issued == []  # stock's blocking reduce, no pipelined one
+    sim.detach_storage()
+    assert state.decide(sim.cache).pipelined
 
 
 def test_tp1_applies_local_counts_at_once(make_cache, hub):
@@ -304,6 +338,7 @@ def test_cp_x_tp_pipelines_over_the_spanning_group(make_cache, install):
     assert decision.reason == "TP group, equal to attn CP(2) x attn TP(2)"
 
 
+@STORAGE_PIPELINES
 def test_first_step_starts_with_a_stamped_exchange_in_upstreams_shape(make_cache, hub):
     """Before any collective the blocking path would not run: upstream's own
     _all_reduce with zero counts and the stamp where upstream sends its digest."""
@@ -314,9 +349,8 @@ def test_first_step_starts_with_a_stamped_exchange_in_upstreams_shape(make_cache
     acks(sim, "write", 2)
     sim.cache.check_hicache_events()
     # the flags ride in the first two count slots (after the stamp check)
-    assert log == [
-        ("blocking", flags_slot(VOTES_SETTING | STORAGE) + [0] * 5 + stamp_slot(digest=5))
-    ]
+    flags = VOTES_SETTING | STORAGE | 1 << VOTES_FLAG
+    assert log == [("blocking", flags_slot(flags) + [0] * 5 + stamp_slot(digest=5))]
     assert len(hub.issued) == 1  # then the first pipelined reduce
     sim.cache.check_hicache_events()
     assert len(log) == 1  # once per cache

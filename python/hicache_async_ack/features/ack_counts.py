@@ -10,7 +10,15 @@ import logging
 from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 from .. import __version__
-from ..env import DEPTH_MAX, DEPTH_VAR, ENABLE_VAR, PLUGINS_VAR, Settings, read_settings
+from ..env import (
+    DEPTH_MAX,
+    DEPTH_VAR,
+    ENABLE_VAR,
+    PLUGINS_VAR,
+    PREFETCH_VOTES_VAR,
+    Settings,
+    read_settings,
+)
 from ..errors import HiCacheAckSyncError
 from ..guard import CACHE_CLASS
 from ..kit.decision import Decision, blocking, missing_attrs, untested_release
@@ -51,6 +59,14 @@ MISMATCH_HINTS = {
 }
 ACK_FLAGS = {STORAGE_FLAG: "a storage backend attached (the four storage queue counts)"}
 NO_CONTROLLER = blocking("HiCache controller not attached", "no_controller")
+# A walk the votes do not decide runs stock's per-request reduce on the prefetches'
+# progress: with completions popped depth steps late it would judge staler progress than
+# stock's, and run more of those reduces. Stock's storage path, then.
+STORAGE_WITHOUT_VOTES = blocking(
+    "a storage backend is attached and the prefetch votes do not decide the waiting-queue "
+    f"walk ({PREFETCH_VOTES_VAR}=0, or not hooked on this SGLang): SGLang's storage path",
+    "storage_without_votes",
+)
 LINKER = blocking("external cache linker attached", "linker")
 
 
@@ -142,6 +158,8 @@ class AckCountsState(OwnerState):
             )
         if cache.pp_size != 1:
             return blocking(f"pp_size={cache.pp_size}", "pp")
+        if cache.enable_storage and not any(r.decides_walk(cache) for r in self.riders):
+            return STORAGE_WITHOUT_VOTES
         cc = cache.cache_controller
         missing = [a for a in ACK_QUEUES if not hasattr(cc, a)]
         if missing:
@@ -262,10 +280,10 @@ FEATURE = Feature(ACK_COUNTS, build)
 def after_init_hicache(result: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
     """init_hicache, AFTER.
     Why: the per-cache decision needs the controller and groups init builds.
-    How: builds the state from local facts (no collective), metrics; logs the path.
+    How: builds the state from local facts (no collective), metrics; the path is logged
+    at the first step, once the riders (the votes, their init hook next) have joined.
     Stands down: never fails init; an ineligible cache just decides blocking."""
-    state = FEATURE.attach(cache, args, **kwargs)
-    state.announce(state.decide(cache))
+    FEATURE.attach(cache, args, **kwargs)
     return result
 
 

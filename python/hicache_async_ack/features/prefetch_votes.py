@@ -18,10 +18,16 @@ import logging
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from ..env import ENABLE_VAR, PREFETCH_VOTES_VAR, prefetch_votes_enabled
+from ..env import (
+    ENABLE_VAR,
+    PREFETCH_VOTES_VAR,
+    READ_ONCE_VAR,
+    prefetch_votes_enabled,
+    read_once_enabled,
+)
 from ..errors import PrefetchVoteError, PrefetchVoteMismatch
 from ..guard import CACHE_CLASS
-from ..kit.collectives import upstream_count_slots
+from ..kit.collectives import ride_ready_counts, upstream_count_slots
 from ..kit.decision import Decision, blocking, missing_attrs, untested_release
 from ..kit.environment import Environment, environment
 from ..kit.feature import Feature, FeatureState, feature_release, state_class
@@ -30,6 +36,7 @@ from ..kit.hooks import unhooked
 from ..kit.owner import Carrier
 from ..names import ACK, BEST_EFFORT, LOGGER_NAME, PREFETCH_VOTES, STOP_POLICIES, TIMEOUT, VOTES
 from ..protocol.stamp import (
+    READ_ONCE_FLAG,
     VOTES_FLAG,
     VOTES_SETTING_FLAG,
     Stamp,
@@ -40,16 +47,17 @@ from ..protocol.stamp import (
 from ..protocol.votes import VOTE_SLOTS, VOTES_PROTOCOL, Ballot, Exchange, VoteBook
 from . import ack_counts
 from .vote_landing import PREDICATE, Landing, operation_key
+from .vote_starts import READ_ONCE, Remainder, Start, Starts
 
 logger = logging.getLogger(LOGGER_NAME)
 REQUIRED_ATTRS = ("ongoing_prefetch", "prefetch_stop_policy", "pp_rank", "enable_storage")
 RIDE_ACK, RIDE_UPSTREAM = "ack", "upstream"  # the carriers (PrefetchVoteState.mode)
 HELD = (TIMEOUT, BEST_EFFORT)  # the policies whose walks the votes hold
-ALL_REDUCE = "_all_reduce"
 # The votes' layout flags in the ack sync's reduce: their section rides it; their setting.
 FLAGS = {
     VOTES_FLAG: "the prefetch votes' section (a storage backend under a walk's stop policy)",
     VOTES_SETTING_FLAG: PREFETCH_VOTES_VAR,
+    READ_ONCE_FLAG: READ_ONCE_VAR,
 }
 MISMATCH_HINTS = {
     "protocol": (
@@ -88,7 +96,8 @@ class PrefetchVoteState(FeatureState):
     landing_class: type[Landing] = Landing
 
     def __init__(self, cache: Any, enabled: bool, release: Optional[str],
-                 blocker: Optional[Decision], env: Environment) -> None:  # fmt: skip
+                 blocker: Optional[Decision], env: Environment,
+                 read_once: bool = False) -> None:  # fmt: skip
         super().__init__(static_decision(cache, release, blocker, env), env)
         sink = env.events
         self.emit: Callable[..., None] = (
@@ -97,8 +106,10 @@ class PrefetchVoteState(FeatureState):
             else (lambda kind, **fields: sink(kind, pass_no=self.passes, **fields))
         )
         self.enabled = enabled
+        self.read_once = enabled and read_once  # the votes off, nothing of theirs runs
         self.book = VoteBook(title=self.sync.title, hints=MISMATCH_HINTS)
         self.landing = self.landing_class(self.emit)
+        self.starts = Starts(self.emit)
         self.passes = 0  # check_hicache_events calls seen (the same on every rank)
         self.mode: Optional[str] = None  # this pass's carrier
         self.active = False  # this interval rides a section (its walk is held)
@@ -134,6 +145,11 @@ class PrefetchVoteState(FeatureState):
     def rides(self, cache: Any) -> bool:
         return self.enabled and self.eligible(cache).pipelined
 
+    def decides_walk(self, cache: Any) -> bool:
+        """Whether the votes, not upstream's per-request reduce, judge this cache's walks
+        wherever its carrier pipelines (the ack counts pipeline storage only then)."""
+        return self.enabled and self.static.pipelined
+
     def decide(self, cache: Any) -> Decision:
         """This pass's path, once its boundary is done."""
         eligible = self.eligible(cache)
@@ -161,6 +177,8 @@ class PrefetchVoteState(FeatureState):
         (with upstream's, the votes' first exchange once)."""
         self.passes += 1
         self.landing.pins.release_all(cache)
+        self.run_starts(cache, self.starts.landed(cache) if cache.enable_storage
+                        else self.starts.every())  # fmt: skip
         self.mode = RIDE_ACK if carrier.pipelines(cache) else RIDE_UPSTREAM
         if self.mode == RIDE_UPSTREAM and not self.agreed and self.eligible(cache).pipelined:
             try:
@@ -173,6 +191,7 @@ class PrefetchVoteState(FeatureState):
         """After check_hicache_events: drop an interval no section carried."""
         if self.closed_at != self.passes:
             self.no_section(cache)
+        self.run_starts(cache, self.starts.landed(cache))  # reads retired in the pops
         self.announce(self.decide(cache))
 
     def reach(self, cache: Any, original: Callable[..., Any], operation: Any) -> bool:
@@ -196,8 +215,49 @@ class PrefetchVoteState(FeatureState):
             extend = int(getattr(req, "extend_end", prefix_len) or prefix_len) - int(prefix_len)
             self.book.admit(operation_key(req.cache_request_handle), prefix_len, extend)
 
+    def start(self, cache: Any, run: Callable[[], Any], handle: Any, want: Remainder) -> Any:
+        """prefetch_from_storage: runs now, or is held (:mod:`.vote_starts`)."""
+        starts = self.starts
+        if starts.rerun is not None and starts.rerun == handle:  # a held start runs now
+            starts.rerun_tokens = len(want.tokens) - len(want.tokens) % cache.page_size
+            return run()
+        if not self.active or cache.host_memory_mode != "cache" or handle in cache.ongoing_prefetch:
+            return run()  # no section carries this interval, no read lands in the tree, or
+            # its own read is in flight (upstream returns at once)
+        held = starts.choose(cache, handle, want, self.read_once, self.book.walks)
+        if held is None:
+            return run()
+        starts.hold(held)
+        if self.metrics is not None:
+            self.metrics.on_hold(held.why)
+        return None
+
+    def progress(self, cache: Any, original: Callable[..., bool], handle: Any) -> bool:
+        """check_prefetch_progress: a held start's request is not ready; a read that
+        lands here releases the starts waiting on it, before anything can evict it."""
+        if self.starts.is_held(handle):
+            return False
+        awaited = self.starts.awaited(handle)
+        done = bool(original(cache, handle))
+        if awaited and handle not in cache.ongoing_prefetch:
+            self.run_starts(cache, self.starts.landed(cache))
+        return done
+
+    def aborted(self, cache: Any, handle: Any) -> None:
+        """release_aborted_request ran: a held start is dropped, a read's waiters run."""
+        self.starts.drop(handle)
+        self.run_starts(cache, self.starts.landed(cache))
+
+    def run_starts(self, cache: Any, due: Sequence[Start]) -> None:
+        """Run released starts in the order they were held, on the state as it is."""
+        for start in due:
+            asked = self.starts.run(start)
+            if self.metrics is not None and start.why == READ_ONCE:
+                self.metrics.on_read_once(0 if asked is None else max(0, start.tokens - asked))
+
     def local_flags(self, cache: Any) -> int:
-        return int(self.rides(cache)) << VOTES_FLAG | int(self.enabled) << VOTES_SETTING_FLAG
+        return (int(self.rides(cache)) << VOTES_FLAG | int(self.enabled) << VOTES_SETTING_FLAG
+                | int(self.read_once) << READ_ONCE_FLAG)  # fmt: skip
 
     def take(self, cache: Any, token: object, reduced: Sequence[int], carrier: Carrier) -> None:
         """A section came back reduced (riding the ack counts' reduce)."""
@@ -215,6 +275,7 @@ class PrefetchVoteState(FeatureState):
         stopped = self.landing.apply(cache, verdicts)
         if self.metrics is not None and stopped:
             self.metrics.on_stop(stopped)
+        self.run_starts(cache, self.starts.due(token.pass_no))
 
     def section(self, cache: Any) -> tuple[list[int], object]:
         """Close this interval into the section the next reduce carries."""
@@ -243,7 +304,9 @@ class PrefetchVoteState(FeatureState):
         return values, ballot
 
     def no_section(self, cache: Any) -> None:
+        dropped = self.book.walks
         self.book.discard()
+        self.run_starts(cache, self.starts.due(dropped))
         self.active = False
         self.closed_at = self.passes
         self.interval_label = self.label
@@ -257,7 +320,7 @@ class PrefetchVoteState(FeatureState):
         """The votes' own first exchange (upstream's carrier), once: a blocking reduce in
         upstream's ack-count shape (``[on, -on, 0, ...]``, then the stamp where upstream
         sends its digest), so a stock peer or one with the votes off is named."""
-        on = int(self.enabled)
+        on = int(self.enabled) | int(self.read_once) << 1  # both settings, agreed
         x = pack_stamp(VOTES_PROTOCOL, False, 1, VOTE_SLOTS, 0)
         values = [on, -on] + [0] * (upstream_count_slots(cache) - 2) + [x, -x]
         try:
@@ -278,10 +341,12 @@ class PrefetchVoteState(FeatureState):
             )
         lo_on, hi_on = reduced[0], -reduced[1]
         if lo_on != hi_on:
+            var = PREFETCH_VOTES_VAR if (lo_on ^ hi_on) & 1 else READ_ONCE_VAR
+            bit = 0 if var == PREFETCH_VOTES_VAR else 1
             raise PrefetchVoteMismatch(
-                f"{self.sync.title}: {PREFETCH_VOTES_VAR} differs across the TP group: "
-                f"this rank {on}, group min {lo_on}, max {hi_on}. Set it identically on "
-                "every node. Stopping before any vote."
+                f"{self.sync.title}: {var} differs across the TP group: this rank "
+                f"{on >> bit & 1}, group min {lo_on >> bit & 1}, max {hi_on >> bit & 1}. Set "
+                "it identically on every node. Stopping before any vote."
             )
         self.agreed = True
 
@@ -298,52 +363,17 @@ class PrefetchVoteState(FeatureState):
         values, ballot = self.section(cache)
         try:
             result, reduced = ride_ready_counts(cache, original, values)
+            if reduced is None:
+                raise PrefetchVoteError(
+                    f"{self.sync.title}: upstream's _sync_hicache_ready_counts ran no reduce "
+                    "the votes could ride (this SGLang does not do what they were written "
+                    "for); stopping before any verdict"
+                )
         except PrefetchVoteError as exc:
             self.failed(exc)
             raise
         self.land(cache, ballot, reduced, self.collectives.blocking_min(cache))
         return result
-
-
-def ride_ready_counts(
-    cache: Any, original: Callable[..., Any], values: Sequence[int]
-) -> tuple[Any, list[int]]:
-    """Run ``original`` (``_sync_hicache_ready_counts``) with ``_all_reduce`` shadowed on
-    the instance so its first 1-D int64 reduce carries ``values`` too; returns its
-    result and the reduced ``values``."""
-    import torch
-
-    inst = cache.__dict__
-    shadowed = ALL_REDUCE in inst
-    before = inst.get(ALL_REDUCE)
-    base = getattr(cache, ALL_REDUCE)  # whatever upstream would call (a test's wrapper too)
-    reduced: list[list[int]] = []
-
-    def all_reduce(tensor: Any, op: Any, *a: Any, **kw: Any) -> Any:
-        if reduced or tensor.dim() != 1 or tensor.dtype != torch.int64:
-            return base(tensor, op, *a, **kw)
-        n = tensor.numel()
-        fused = torch.cat([tensor, torch.tensor(list(values), dtype=torch.int64)])
-        out = base(fused, op, *a, **kw)
-        tensor.copy_(fused[:n])
-        reduced.append([int(v) for v in fused[n:].tolist()])
-        return out
-
-    inst[ALL_REDUCE] = all_reduce
-    try:
-        result = original(cache)
-    finally:
-        if shadowed:
-            inst[ALL_REDUCE] = before
-        else:
-            inst.pop(ALL_REDUCE, None)
-    if not reduced:
-        raise PrefetchVoteError(
-            f"{PREFETCH_VOTES.title}: upstream's _sync_hicache_ready_counts ran no reduce "
-            "the votes could ride (this SGLang does not do what they were written for); "
-            "stopping before any verdict"
-        )
-    return result, reduced[0]
 
 
 def build(cache: Any) -> PrefetchVoteState:
@@ -352,7 +382,9 @@ def build(cache: Any) -> PrefetchVoteState:
     problem = problem or admission_hooks_missing()
     blocker = blocking(problem, "hooks_missing") if problem else None
     cls = state_class(PREFETCH_VOTES, PrefetchVoteState)
-    state = cls(cache, prefetch_votes_enabled(), feature_release(VOTES), blocker, environment())
+    votes = prefetch_votes_enabled()
+    state = cls(cache, votes, feature_release(VOTES), blocker, environment(),
+                read_once=votes and read_once_enabled())  # fmt: skip
     carrier(cache).add_rider(state)
     return state
 

@@ -8,6 +8,7 @@ from typing import Any
 from ..guard import CACHE_CLASS
 from ..kit.hooks import Fn
 from .prefetch_votes import ADDER_CLASS, FEATURE, SCHEDULER_CLASS, carrier, state_of
+from .vote_starts import Remainder
 
 # Target: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.
 # Upstream PR: sglang #33029 (prefetch progress once per pass); #30760: the loop skew.
@@ -67,6 +68,43 @@ def around_can_terminate_prefetch(original: Fn, cache: Any, op: Any, *a: Any, **
     return state.reach(cache, original, op)
 
 
+@FEATURE.hook(CACHE_CLASS, "prefetch_from_storage", "AROUND")
+def around_prefetch_from_storage(
+    original: Fn, cache: Any, request: Any, anchor: Any, tokens: Any, *a: Any, **k: Any
+) -> Any:
+    """prefetch_from_storage, AROUND.
+    Why: a read in flight from this anchor may bring the remainder's first pages to the
+    host, and lands here depth + 1 passes after stock's walk landed it (issue 52).
+    How: such a start is held (vote_starts) and runs again, through the scheduler's
+    _prefetch_kvcache, where its pass's decisions land (read once: where that read lands).
+    Stands down: no held walk, buffer_only, a start not from _prefetch_kvcache."""
+    state = state_of(cache)
+    if state is None:
+        return original(cache, request, anchor, tokens, *a, **k)
+    # upstream passes these by keyword; positionally they follow last_hash, prefix_keys,
+    # matched_prefix_tokens (the guard checks the parameters)
+    extra_key = k["extra_key"] if "extra_key" in k else (a[3] if len(a) > 3 else None)
+    cache_salt = k["cache_salt"] if "cache_salt" in k else (a[4] if len(a) > 4 else None)
+    want = Remainder(anchor, tokens, extra_key, cache_salt)
+    return state.start(cache, lambda: original(cache, request, anchor, tokens, *a, **k),
+                       request, want)  # fmt: skip
+
+
+@FEATURE.hook(CACHE_CLASS, "check_prefetch_progress", "AROUND")
+def around_check_prefetch_progress(
+    original: Fn, cache: Any, request: Any, *a: Any, **k: Any
+) -> Any:
+    """check_prefetch_progress, AROUND.
+    Why: the walk admits a request whose prefetch is done or absent, a held start's too.
+    How: a held start's request is not ready; a read that lands here runs the starts
+    waiting on it at once (nothing can evict its pages in between).
+    Stands down: nothing held and nothing awaited: the original, unchanged."""
+    state = state_of(cache)
+    if state is None:
+        return original(cache, request, *a, **k)
+    return state.progress(cache, lambda c, r: original(c, r, *a, **k), request)
+
+
 @FEATURE.hook(CACHE_CLASS, "release_aborted_request", "BEFORE")
 def before_release_aborted_request(cache: Any, request: Any, *args: Any, **kwargs: Any) -> None:
     """release_aborted_request, BEFORE.
@@ -74,6 +112,20 @@ def before_release_aborted_request(cache: Any, request: Any, *args: Any, **kwarg
     How: drops the host lock a stop put on the pages it inserted.
     Stands down: never holds anything."""
     unpin(cache, request, "abort")
+
+
+@FEATURE.hook(CACHE_CLASS, "release_aborted_request", "AFTER")
+def after_release_aborted_request(
+    result: Any, cache: Any, request: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """release_aborted_request, AFTER.
+    Why: an aborted request's held start never runs; an aborted read ends a wait on it.
+    How: drops the request's held start; runs the starts waiting on its read.
+    Stands down: nothing held: nothing to do."""
+    state = state_of(cache)
+    if state is not None:
+        state.aborted(cache, request)
+    return result
 
 
 @FEATURE.hook(CACHE_CLASS, "finish_storage_prefetch_admission", "AFTER")
@@ -85,6 +137,9 @@ def after_finish_storage_prefetch_admission(
     How: drops the host lock a stop put on its pages (the load-back holds them now).
     Stands down: never holds anything."""
     unpin(cache, request, "admission")
+    state = state_of(cache)
+    if state is not None:
+        state.starts.admitted(request)
     return result
 
 
@@ -103,6 +158,7 @@ def after_reset(result: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
     state = state_of(cache)
     if state is not None:
         state.landing.pins.forget()
+        state.starts.forget()
     return result
 
 
@@ -134,6 +190,20 @@ def after_add_chunked_req(result: Any, adder: Any, req: Any, *a: Any, **kw: Any)
     if state is not None and admitted and admitted[-1] is req:
         state.admit(req, int(req.prefix_len))
     return result
+
+
+@FEATURE.hook(SCHEDULER_CLASS, "_prefetch_kvcache", "AROUND")
+def around_prefetch_kvcache(original: Fn, scheduler: Any, req: Any, *a: Any, **kw: Any) -> Any:
+    """Scheduler._prefetch_kvcache, AROUND.
+    Why: stock's start of a request's storage prefetch (arrival, retry, a device hit
+    lost); held, it must run again as a whole: match the trees, then read the rest.
+    How: keeps (scheduler, request, storage_hit_end) for prefetch_from_storage's hook.
+    Stands down: never changes anything itself."""
+    state = state_of(getattr(scheduler, "tree_cache", None))
+    if state is None:
+        return original(scheduler, req, *a, **kw)
+    end = kw["storage_hit_end"] if "storage_hit_end" in kw else (a[0] if a else None)
+    return state.starts.starting(scheduler, req, end, lambda: original(scheduler, req, *a, **kw))
 
 
 @FEATURE.hook(SCHEDULER_CLASS, "_process_hicache_events", "BEFORE")

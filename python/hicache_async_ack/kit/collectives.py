@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from ..names import ACK_QUEUES, EXTRA_POOL_QUEUES, STORAGE_QUEUES
 from ..protocol.stamp import DEPTH_LIMIT, Handle
@@ -69,6 +69,9 @@ def upstream_count_slots(cache: Any) -> int:
     return len(ACK_QUEUES) + len(STORAGE_QUEUES) + len(getattr(cc, EXTRA_POOL_QUEUES, None) or {})
 
 
+ALL_REDUCE = "_all_reduce"  # the cache's own reduce over upstream's groups
+
+
 def upstream_reduce(cache: Any) -> BlockingMin:
     """A blocking MIN-reduce through the cache's own ``_all_reduce`` (upstream's groups)."""
     import torch
@@ -79,6 +82,41 @@ def upstream_reduce(cache: Any) -> BlockingMin:
         return [int(v) for v in tensor.tolist()]
 
     return reduce
+
+
+def ride_ready_counts(
+    cache: Any, original: Callable[..., Any], values: Sequence[int]
+) -> tuple[Any, Optional[list[int]]]:
+    """Run ``original`` (``_sync_hicache_ready_counts``) with ``_all_reduce`` shadowed on
+    the instance so its first 1-D int64 reduce carries ``values`` too; returns its
+    result and the reduced ``values`` (None: it ran no such reduce)."""
+    import torch
+
+    inst = cache.__dict__
+    shadowed = ALL_REDUCE in inst
+    before = inst.get(ALL_REDUCE)
+    base = getattr(cache, ALL_REDUCE)  # whatever upstream would call (a test's wrapper too)
+    reduced: list[list[int]] = []
+
+    def all_reduce(tensor: Any, op: Any, *a: Any, **kw: Any) -> Any:
+        if reduced or tensor.dim() != 1 or tensor.dtype != torch.int64:
+            return base(tensor, op, *a, **kw)
+        n = tensor.numel()
+        fused = torch.cat([tensor, torch.tensor(list(values), dtype=torch.int64)])
+        out = base(fused, op, *a, **kw)
+        tensor.copy_(fused[:n])
+        reduced.append([int(v) for v in fused[n:].tolist()])
+        return out
+
+    inst[ALL_REDUCE] = all_reduce
+    try:
+        result = original(cache)
+    finally:
+        if shadowed:
+            inst[ALL_REDUCE] = before
+        else:
+            inst.pop(ALL_REDUCE, None)
+    return result, reduced[0] if reduced else None
 
 
 def torch_world_size(group: Any) -> int:

@@ -23,6 +23,7 @@ ReasonCode = Literal[
     "host_memory_mode",
     "pp",
     "no_storage",
+    "storage_without_votes",  # storage attached, the walk not the votes' (the ack counts)
     "policy",  # a prefetch stop policy the votes do not know
     "policy_not_timeout",
     "agreeing",  # the group has not yet agreed on the setting

@@ -6,8 +6,9 @@ from .depth import WAIT_FLOOR_S, AutoDepth, observation
 from .reduce import Consumed, Head, PipelinedAckSync, still_queued
 
 from .stamp import (DEPTH_LIMIT, DIGEST_BITS, IN_TREE_LIMIT, OBS_MAX, OFFLOAD_CODE,  # isort: skip
-    PROTOCOL_VERSION, STOCK_LIMIT, STORAGE_FLAG, VOTES_FLAG, VOTES_SETTING_FLAG, Collective,
-    Handle, Stamp, describe_mismatch, fold_digest, pack_stamp, stamps_differ)  # fmt: skip
+    PROTOCOL_VERSION, READ_ONCE_FLAG, STOCK_LIMIT, STORAGE_FLAG, VOTES_FLAG, VOTES_SETTING_FLAG,
+    Collective, Handle, Stamp, describe_mismatch, fold_digest, pack_stamp,
+    stamps_differ)  # fmt: skip
 from .votes import (
     ADMIT,
     ADMIT_SLOTS,
@@ -24,15 +25,18 @@ from .votes import (
     Reach,
     Verdicts,
     VoteBook,
+    covering,
     key_hash,
     pairs,
     seq_digest,
+    shared_tokens,
 )
 
 __all__ = ["ADMIT", "ADMIT_SLOTS", "DEPTH_LIMIT", "DIGEST_BITS", "HEADER", "IN_TREE_LIMIT",
     "LAYOUT", "OBS_MAX", "OFFLOAD_CODE", "OVERFLOW_LAYOUT", "POLICIES", "PROTOCOL_VERSION",
-    "REACHED_EXPIRED", "SLOT", "STOCK_LIMIT", "STORAGE_FLAG", "VOTES_FLAG", "VOTES_SETTING_FLAG",
-    "VOTES_PROTOCOL", "VOTE_SLOTS", "WAIT_FLOOR_S", "AutoDepth", "Ballot", "Collective",
-    "Consumed", "Exchange", "Handle", "Head", "PipelinedAckSync", "Reach", "Stamp", "Verdicts",
-    "VoteBook", "describe_mismatch", "fold_digest", "key_hash", "observation", "pack_stamp",
-    "pairs", "seq_digest", "stamps_differ", "still_queued"]  # fmt: skip
+    "READ_ONCE_FLAG", "REACHED_EXPIRED", "SLOT", "STOCK_LIMIT", "STORAGE_FLAG", "VOTES_FLAG",
+    "VOTES_SETTING_FLAG", "VOTES_PROTOCOL", "VOTE_SLOTS", "WAIT_FLOOR_S", "AutoDepth", "Ballot",
+    "Collective", "Consumed", "Exchange", "Handle", "Head", "PipelinedAckSync", "Reach", "Stamp",
+    "Verdicts", "VoteBook", "covering", "describe_mismatch", "fold_digest", "key_hash",
+    "observation", "pack_stamp", "pairs", "seq_digest", "shared_tokens", "stamps_differ",
+    "still_queued"]  # fmt: skip

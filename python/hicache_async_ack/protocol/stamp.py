@@ -14,8 +14,9 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 # The wire protocol: bump it whenever what a reduce means changes (its top place in the
 # stamp never moves). 2: fused layout (flags, riders); 3: reaches in walk order (votes
-# 11); 4: walk digest and overflow exchanges (votes 12, 812 values).
-PROTOCOL_VERSION = 4
+# 11); 4: walk digest and overflow exchanges (votes 12, 812 values); 5: held prefetch
+# starts and the read-once flag (votes 14), storage pipelined only under the votes.
+PROTOCOL_VERSION = 5
 
 OBS_BITS = 12  # the per-rank observation (auto depth's wait signal)
 DIGEST_BITS = 42  # upstream's reclaim digest is masked to 42 bits
@@ -28,7 +29,7 @@ DEPTH_LIMIT = (1 << DEPTH_BITS) - 1
 STOCK_LIMIT = 1 << DIGEST_BITS  # upstream's own [digest, -digest] stays below this
 IN_TREE_LIMIT = 1 << 58  # the in-tree module's depth << 42 | digest stays below this
 # The layout flags ([f, -f] after the stamp), by bit: sections and shared settings.
-STORAGE_FLAG, VOTES_FLAG, VOTES_SETTING_FLAG = 0, 1, 2
+STORAGE_FLAG, VOTES_FLAG, VOTES_SETTING_FLAG, READ_ONCE_FLAG = 0, 1, 2, 3
 # The decode offload agreement's code in upstream's int32[2]: above any queue size.
 OFFLOAD_CODE = 1 << 30
 

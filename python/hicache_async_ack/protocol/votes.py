@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, Hashable, Mapping, NoReturn, Optional, Sequence
+from typing import Callable, Hashable, Iterable, Mapping, NoReturn, Optional, Sequence, TypeVar
 
 from ..errors import AdmissionMismatch, PrefetchVoteError, PrefetchVoteMismatch
 from .stamp import STOCK_LIMIT, Stamp, describe_mismatch, pack_stamp, stamps_differ
 
 # The stamp's protocol field for vote sections and the votes' own first exchange (far
-# from the ack sync's versions). 12: reaches in walk order, walk digest, overflow exchanges.
-VOTES_PROTOCOL = 12
+# from the ack sync's versions). 12: reaches in walk order, walk digest, overflow exchanges;
+# 14: held prefetch starts, the read-once setting in the first exchange.
+VOTES_PROTOCOL = 14
 OVERFLOW_PROTOCOL = 13  # the stamp of an overflow exchange
 VOTE_SLOTS = 256  # reaches per section, and per overflow exchange
 ADMIT_SLOTS = 16  # admitted requests compared one by one (the rest by one digest)
@@ -37,6 +38,7 @@ POLICIES = {"timeout": 1, "best_effort": 2, "wait_complete": 3}
 SKEW_ISSUE = "SGLang #30760"
 
 Exchange = Callable[[list[int]], Sequence[int]]  # a blocking MIN over the carrier's group
+K = TypeVar("K")
 
 
 def key_hash(key: Hashable) -> int:
@@ -229,6 +231,27 @@ def read_slots(title: str, b: Ballot, chunk: int, reduced: Sequence[int]) -> Ver
     return out
 
 
+def shared_tokens(read: Sequence[int], wanted: Sequence[int], page_size: int) -> int:
+    """How many leading tokens of ``wanted`` a read of ``read`` from the same anchor
+    brings to the host: their common prefix, in whole pages."""
+    n = min(len(read), len(wanted))
+    common = next((i for i in range(n) if read[i] != wanted[i]), n)
+    return common - common % max(1, page_size)
+
+
+def covering(
+    reads: Iterable[tuple[K, Sequence[int]]], wanted: Sequence[int], page_size: int
+) -> Optional[tuple[K, int]]:
+    """The read (of ``reads``, all from ``wanted``'s anchor, oldest first) that brings the
+    most of ``wanted`` to the host, and how much; the oldest among equals; None: none."""
+    best: Optional[tuple[K, int]] = None
+    for key, tokens in reads:
+        n = shared_tokens(tokens, wanted, page_size)
+        if n and (best is None or n > best[1]):
+            best = (key, n)
+    return best
+
+
 def describe_key(key: Hashable) -> str:
     """A request handle's key ``(rid, attempt)`` as the operator reads it."""
     if isinstance(key, tuple) and len(key) == 2:
@@ -237,4 +260,5 @@ def describe_key(key: Hashable) -> str:
 
 
 __all__ = ["ADMIT_SLOTS", "LAYOUT", "OVERFLOW_LAYOUT", "POLICIES", "VOTES_PROTOCOL", "VOTE_SLOTS",
-    "Ballot", "Exchange", "Reach", "Verdicts", "VoteBook", "pairs", "seq_digest"]  # fmt: skip
+    "Ballot", "Exchange", "Reach", "Verdicts", "VoteBook", "covering", "pairs", "seq_digest",
+    "shared_tokens"]  # fmt: skip

@@ -256,6 +256,7 @@ def build_cache(
     storage: bool = False,
     extra_pools: tuple[str, ...] = (),
     host_memory_mode: str = "cache",
+    prefetch_stop_policy: str = "timeout",
     metrics_labels: Optional[dict] = None,
     cc: Optional[SimController] = None,
     tree: Optional[SimTreeCore] = None,
@@ -265,7 +266,9 @@ def build_cache(
     (SGLang's RadixCacheMetricsCollector registers its families once per process,
     and the plugin reads only its labels; simulated acks carry no sizes or
     timings, so upstream never records into it). ``cc`` and ``tree`` replace the
-    simulated controller and tree (the prefetch lifecycle's, :mod:`.lifecycle`)."""
+    simulated controller and tree (the prefetch lifecycle's, :mod:`.lifecycle`).
+    ``prefetch_stop_policy``: SGLang's default; with storage the prefetch votes judge the
+    walk under it (where this SGLang runs them), as the ack sync pipelines storage then."""
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     cc = SimController(extra_pools) if cc is None else cc
@@ -285,6 +288,7 @@ def build_cache(
         pp_rank=0,
         pp_size=pp_size,
         host_memory_mode=host_memory_mode,
+        prefetch_stop_policy=prefetch_stop_policy,
         buffer_pipeline=None,
         enable_storage_metrics=False,
         storage_metrics_collector=None,

@@ -1,0 +1,175 @@
+"""Prefetch starts the votes hold back, so a prefix in flight is not read again
+(docs/design.md, "Shared prefixes").
+
+Stock starts a request's storage prefetch where the request arrives
+(``Scheduler._prefetch_kvcache``): it matches the device and host trees, then reads the
+remainder from L3, anchored on the matched host node. A read already in flight from that
+anchor which covers the remainder's first pages brings them to the host when it lands,
+and here it lands depth + 1 passes after stock's walk landed it. So a start whose
+remainder such a read covers is held, on agreed state only (which reads are in flight,
+their anchors and keys; never a rank's own progress):
+
+* until its interval's section is read back (``PASS``): there, after the stops of the walk
+  before the arrival and before that boundary's pops, the plugin holds what stock held
+  when the request arrived; the start then runs through upstream's code, as stock's did.
+* read once (``READ_ONCE``, its own setting): where the read covers at least
+  ``prefetch_threshold`` tokens, until that read lands (complete, cut, aborted, failed,
+  or gone with a flush or a detach), once per request; the start then matches the host
+  and reads only the rest.
+
+A held start holds nothing (no host page, no budget, no L3 query); its request answers
+"not ready" to the walk until the start has run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Iterable, Iterator, Literal, Optional, Sequence, TypeVar
+
+from ..protocol.votes import covering
+
+Emit = Callable[..., None]
+T = TypeVar("T")
+Why = Literal["pass", "read_once"]
+PASS: Why = "pass"
+READ_ONCE: Why = "read_once"
+
+
+@dataclass(eq=False)
+class Start:
+    """A held start: what re-runs ``Scheduler._prefetch_kvcache`` for its request."""
+
+    handle: Hashable
+    scheduler: Any
+    req: Any
+    storage_hit_end: Optional[int]
+    tokens: int  # the L3 remainder it asked for when held
+    why: Why
+    awaits: Optional[Hashable]  # READ_ONCE: the handle whose read it waits for
+    interval: int  # PASS: the interval it arrived in (released with its section)
+
+
+@dataclass(frozen=True)
+class Remainder:
+    """What a start asks L3 for: its anchor, its tokens, their namespace."""
+
+    anchor: Any
+    tokens: Sequence[int]
+    extra_key: Optional[str]
+    cache_salt: Optional[str]
+
+
+def reads_from(cache: Any, want: Remainder) -> Iterator[tuple[Hashable, Sequence[int]]]:
+    """(handle, tokens) of every read in flight from ``want``'s anchor in its namespace,
+    oldest first. ``ongoing_prefetch`` values are upstream's ``_OngoingPrefetch``: the
+    anchor and the key lead it, as ``_handle_prefetch_result`` (fingerprinted) unpacks it."""
+    salt = want.cache_salt or None  # as RadixKey keeps it
+    for handle, info in cache.ongoing_prefetch.items():
+        anchor, key = info[0], info[1]
+        if anchor == want.anchor and key.extra_key == want.extra_key and key.cache_salt == salt:
+            yield handle, key.raw_token_ids()
+
+
+class Starts:
+    """The prefetch starts held on one cache, the start in progress, the one re-run now."""
+
+    def __init__(self, emit: Emit) -> None:
+        self.held: dict[Hashable, Start] = {}  # by handle, in hold order
+        self.waited: set[Hashable] = set()  # handles that waited on a read once already
+        self.context: Optional[tuple[Any, Any, Optional[int]]] = None  # scheduler, req, end
+        self.rerun: Optional[Hashable] = None  # the handle whose held start runs now
+        self.rerun_tokens: Optional[int] = None  # what that re-run asked L3 for
+        self.emit = emit
+
+    def starting(self, scheduler: Any, req: Any, end: Optional[int], run: Callable[[], T]) -> T:
+        """``Scheduler._prefetch_kvcache`` for ``req``: its start may be held inside."""
+        outer, self.context = self.context, (scheduler, req, end)
+        try:
+            return run()
+        finally:
+            self.context = outer
+
+    def is_held(self, handle: Hashable) -> bool:
+        return handle in self.held
+
+    def awaited(self, handle: Hashable) -> bool:
+        """Whether a held start waits on ``handle``'s read."""
+        return any(s.awaits == handle for s in self.held.values())
+
+    def admitted(self, handle: Hashable) -> None:
+        """The request joined a batch: its one wait is behind it."""
+        self.waited.discard(handle)
+
+    def choose(self, cache: Any, handle: Hashable, want: Remainder, read_once: bool,
+               interval: Optional[int]) -> Optional[Start]:  # fmt: skip
+        """The hold for this start (None: it runs now); ``interval``: the open interval,
+        where a section will carry it."""
+        context = self.context
+        if context is None or context[1].cache_request_handle != handle:
+            return None  # not a scheduler's start (a PD decode prealloc asks on its own)
+        if cache.tree_core.is_eagle:
+            return None  # bigram keys: a shared prefix is not a token prefix
+        page = cache.page_size
+        found = covering(reads_from(cache, want), want.tokens, page)
+        if found is None:
+            return None
+        awaits, shared = found
+        scheduler, req, end = context
+        tokens = len(want.tokens) - len(want.tokens) % page
+        if read_once and handle not in self.waited and shared >= cache.prefetch_threshold:
+            self.waited.add(handle)
+            return Start(handle, scheduler, req, end, tokens, READ_ONCE, awaits, -1)
+        if interval is None:
+            return None
+        return Start(handle, scheduler, req, end, tokens, PASS, None, interval)
+
+    def hold(self, start: Start) -> None:
+        self.held[start.handle] = start
+        self.emit("hold", key=key_of(start.handle), why=start.why,
+                  awaits=None if start.awaits is None else key_of(start.awaits))  # fmt: skip
+
+    def drop(self, handle: Hashable) -> None:
+        """The request is gone (aborted): its start never runs."""
+        if self.held.pop(handle, None) is not None:
+            self.emit("release", key=key_of(handle), why="abort")
+        self.waited.discard(handle)
+
+    def due(self, interval: int) -> list[Start]:
+        """The PASS holds of every interval up to ``interval`` (its section was read)."""
+        return self._take(s for s in self.held.values() if s.why == PASS and s.interval <= interval)
+
+    def landed(self, cache: Any) -> list[Start]:
+        """The READ_ONCE holds whose read is no longer in flight."""
+        live = cache.ongoing_prefetch
+        return self._take(s for s in self.held.values() if s.why == READ_ONCE
+                          and s.awaits not in live)  # fmt: skip
+
+    def every(self) -> list[Start]:
+        return self._take(self.held.values())
+
+    def _take(self, starts: Iterable[Start]) -> list[Start]:
+        out = list(starts)
+        for s in out:
+            del self.held[s.handle]
+        return out
+
+    def run(self, start: Start) -> Optional[int]:
+        """Run ``start`` again through the scheduler's (hooked) ``_prefetch_kvcache``, on
+        the state as it is now; returns the tokens its read asked for (None: no read)."""
+        self.rerun, self.rerun_tokens = start.handle, None
+        try:
+            start.scheduler._prefetch_kvcache(start.req, start.storage_hit_end)
+        finally:
+            self.rerun = None
+        self.emit("release", key=key_of(start.handle), why=start.why,
+                  tokens=start.tokens, now=self.rerun_tokens)  # fmt: skip
+        return self.rerun_tokens
+
+    def forget(self) -> None:
+        """The tree was reset: no request waits (flush_cache runs on an idle scheduler)."""
+        self.held.clear()
+        self.waited.clear()
+
+
+def key_of(handle: Any) -> tuple[Any, Any]:
+    return (handle.rid, handle.attempt_id)
