@@ -52,7 +52,9 @@ RELEASES: tuple[Release, ...] = (
     # Never tagged: its builds (2026-11-30 to 2026-12-06) all said 0.1.0 and spoke
     # protocols 1 to 4; the fingerprint is its last build's.
     Release("0.1.0", (1, 2, 3, 4), "d7ee64c2840ac2a9"),
-    Release("0.2.0", (4,), "d7ee64c2840ac2a9"),
+    # 5: held prefetch starts, the read-once flag (votes 14); storage stays stock's
+    # path unless the votes ride.
+    Release("0.2.0", (5,), "a55a29e12fee4c52"),
 )
 
 
