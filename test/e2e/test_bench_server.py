@@ -473,6 +473,35 @@ def test_the_quick_default_workload_on_the_real_server(tmp_path):
     assert any(r["ratio"] == "plugin / stock" for r in record["ratios"])
 
 
+@pytest.mark.e2e
+def test_the_shared_prompt_workload_on_the_real_server_with_mooncake(tmp_path):
+    """One round of every arm (stock, plugin, read-once), few requests: the L3 work
+    comes from mooncake_master's own counters and every request is served."""
+    record, stdout = _bench(
+        tmp_path, "--storage", "mooncake", "--workload", "shared-prompt", "--rounds", "1",
+        "--arrivals", "dense,burst", "--shared-requests", "6", "--shared-prompt-tokens",
+        "400", "--output-len", "4",
+    )  # fmt: skip
+    assert record["kind"] == "server-shared-prompt"
+    by_arm = {v["arm"]: v for v in record["visits"]}
+    assert sorted(by_arm) == ["plugin", "read-once", "stock"]
+    assert by_arm["stock"]["pipelined_ranks"] == 0
+    assert by_arm["plugin"]["pipelined_ranks"] == by_arm["read-once"]["pipelined_ranks"] == 2
+    for v in by_arm.values():
+        assert v["keys_stored"] > 0  # the warm-up wrote the prompt through to the store
+        assert sorted(v["patterns"]) == ["burst", "dense"]
+        for pattern in v["patterns"].values():
+            (run,) = pattern["runs"]
+            assert run["requests"] == 6 and run["output_throughput"] > 0
+            # after the flush the prompt is only in the store: read from it, counted there
+            assert run["l3_keys_read"] > 0 and run["l3_queries"] > 0, run
+            assert run["l3_bytes_read"] > 0
+    assert "keys read/req" in stdout and "read-once / stock" in stdout
+    assert "goal at 0 ms" in stdout and "inconclusive" in stdout  # one round: no interval
+    work = tmp_path / "work"
+    assert sorted(work.glob("l3-shared-stock-0ms-r0-burst-0-*.prom")), "snapshots not kept"
+
+
 def test_a_failed_server_start_is_retried_then_reported(monkeypatch):
     from hicache_async_ack_lab.bench import server as bench_server
     from hicache_async_ack_lab.cli_support import ToolError

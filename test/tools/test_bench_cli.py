@@ -1,6 +1,8 @@
 """End-to-end tests of ``hicache-async-ack-lab bench`` and ``doctor`` (subprocesses,
-real gloo on loopback, SGLang's real loader). No timing assertions: this box's
-numbers are whatever they are; only shape, exit codes and correctness."""
+real gloo on loopback, SGLang's real loader), and ``bench-server --workload
+shared-prompt``'s options and refusals (parsed in process, nothing started). No timing
+assertions: this box's numbers are whatever they are; only shape, exit codes and
+correctness."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from importlib import metadata
 import pytest
 
 from hicache_async_ack import __version__
-from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR, PLUGINS_VAR
+from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR, PLUGINS_VAR, READ_ONCE_VAR
 
 PLUGIN_VARS = (PLUGINS_VAR, ENABLE_VAR, DEPTH_VAR)
 ARM_FIELDS = (
@@ -250,3 +252,114 @@ def test_doctor_inactive_names_the_reason(doctor_runs, name, needle):
     assert rc != 0, (name, out, err)
     assert "INACTIVE" in out and needle in out.split("verdict")[1], (name, out)
     assert __version__ in out
+
+
+# --- bench-server --storage mooncake --workload shared-prompt: options and refusals ---
+
+SHARED = ["bench-server", "--storage", "mooncake", "--workload", "shared-prompt"]
+
+
+def _bench_server_args(*argv: str):
+    from hicache_async_ack_lab.cli import build_parser
+
+    return build_parser().parse_args([*SHARED, *argv])
+
+
+@pytest.mark.parametrize(
+    "argv, accepted",
+    [
+        (["--arrivals", "trickle"], "a comma-separated list of poisson, dense, burst"),
+        (["--arrivals", "dense,later"], "a comma-separated list of poisson, dense, burst"),
+        (["--arrivals", ","], "empty --arrivals"),
+        (["--shared-requests", "0"], "an integer from 1 to 256"),
+        (["--shared-prompt-tokens", "8"], "an integer from 16 to 3800"),
+        (["--shared-question-words", "x"], "an integer from 1 to 200"),
+        (["--poisson-gap-ms", "-1"], "a number >= 0 (milliseconds)"),
+        (["--dense-gap-ms", "soon"], "a number >= 0 (milliseconds)"),
+        (["--arms", "stock,read-twice"], "stock, plugin, bound, local, dedicated, read-once"),
+        (["--workload", "shared"], "shared-prompt"),
+    ],
+)
+def test_shared_prompt_bad_options_name_the_accepted_values(argv, accepted, capsys):
+    with pytest.raises(SystemExit):
+        _bench_server_args(*argv)
+    err = capsys.readouterr().err
+    assert accepted in err, err
+    assert argv[0] in err
+
+
+def test_shared_prompt_options_parse_to_their_values():
+    args = _bench_server_args("--arrivals", "Burst,dense,burst", "--shared-requests", "8",
+                              "--poisson-gap-ms", "50")  # fmt: skip
+    assert args.arrivals == ("burst", "dense")  # lower-cased, repeats dropped
+    assert args.shared_requests == 8 and args.poisson_gap_ms == 50.0
+    plain = _bench_server_args()
+    assert plain.arrivals == ("poisson", "dense", "burst") and plain.shared_requests == 32
+    assert plain.shared_prompt_tokens == 1200 and plain.dense_gap_ms == 15.0
+
+
+def _dispatched(monkeypatch, *argv: str):
+    """What bench-server hands the shared-prompt workload (nothing is started)."""
+    from hicache_async_ack_lab.bench import server, shared_prompt
+
+    seen = []
+    monkeypatch.setattr(shared_prompt, "run", lambda args: seen.append(args) or 0)
+    assert server.run(_bench_server_args(*argv)) == 0
+    (args,) = seen
+    return args
+
+
+def test_shared_prompt_runs_its_three_arms_at_0_ms_unless_told(monkeypatch):
+    args = _dispatched(monkeypatch)
+    assert args.arms == ("stock", "plugin", "read-once") and args.latency_ms == (0.0,)
+    # Negative control: the same values as the general defaults, typed, are kept.
+    typed = _dispatched(monkeypatch, "--arms", "stock,plugin", "--latency-ms", "0,3.2")
+    assert typed.arms == ("stock", "plugin") and typed.latency_ms == (0.0, 3.2)
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--workload", "shared-prompt"], "add --storage mooncake"),
+        (SHARED[1:] + ["--arms", "stock,bound"], "the arms stock, plugin, read-once; not bound"),
+        (SHARED[1:] + ["--shared-prompt-tokens", "3000", "--max-total-tokens", "2048"],
+         "does not fit the device pool (2048)"),
+        (["--arms", "stock,read-once"], "read-once arm runs only with --workload shared-prompt"),
+        (["--storage", "mooncake", "--arms", "read-once"], "--workload shared-prompt"),
+    ],
+)  # fmt: skip
+def test_shared_prompt_refusals_name_the_reason(argv, named):
+    from hicache_async_ack_lab.bench import server, shared_prompt
+    from hicache_async_ack_lab.cli import build_parser
+    from hicache_async_ack_lab.cli_support import ToolError
+
+    args = build_parser().parse_args(["bench-server", *argv])
+    with pytest.raises(ToolError) as err:
+        if args.workload == shared_prompt.WORKLOAD:
+            shared_prompt.config(args)
+        else:
+            server.run(args)
+    assert named in str(err.value)
+
+
+def test_shared_prompt_host_pool_takes_every_requests_read(capsys):
+    from hicache_async_ack_lab.bench import shared_prompt
+
+    cfg = shared_prompt.config(_bench_server_args())
+    assert cfg["max_total_tokens"] == shared_prompt.POOL_TOKENS
+    # SGLang's prefetch budget, half the host pool, holds 32 prompts' reads
+    assert cfg["hicache_ratio"] * cfg["max_total_tokens"] / 2 >= 32 * 1200
+    assert capsys.readouterr().err == ""
+    small = shared_prompt.config(_bench_server_args("--hicache-ratio", "4"))
+    assert small["hicache_ratio"] == 4.0
+    assert "stock's extra reads may be declined" in capsys.readouterr().err
+
+
+def test_shared_prompt_arms_set_the_plugin_and_read_once():
+    from hicache_async_ack_lab.bench import shared_prompt
+
+    assert {a: shared_prompt.arm_env(a) for a in shared_prompt.ARMS} == {
+        "stock": {ENABLE_VAR: "0", READ_ONCE_VAR: "0"},
+        "plugin": {ENABLE_VAR: "1", READ_ONCE_VAR: "0"},
+        "read-once": {ENABLE_VAR: "1", READ_ONCE_VAR: "1"},
+    }

@@ -21,7 +21,9 @@ Workloads: ``gsp`` (the quick default), bench_serving's generated-shared-prefix;
 ``multiturn``, the seed's shape: ``--lanes`` concurrent conversations x ``--turns``
 turns, each turn the whole history plus a new question, replayed by bench_serving
 over the chat API with the server's real replies (``multiturn.py``). A list of
-``--lanes`` is a sweep.
+``--lanes`` is a sweep. ``shared-prompt`` (with ``--storage mooncake``): one system
+prompt read from L3 by many requests, stock against the plugin's read-once
+(``shared_prompt.py``).
 
 Rounds: every round starts every arm's server afresh (an idle server's scheduler
 spins on a core, so two cannot wait side by side on 2 cores, and a fresh start
@@ -44,7 +46,7 @@ import time
 from pathlib import Path
 
 from hicache_async_ack.tools import int_in
-from hicache_async_ack_lab.bench import multiturn, pd, storage
+from hicache_async_ack_lab.bench import multiturn, pd, shared_prompt, storage
 from hicache_async_ack_lab.bench.arms import (
     ARMS,
     DEFAULT_ARMS,
@@ -67,6 +69,7 @@ FIGURES = (
     ("median_ttft_ms", "TTFT p50 ms"),
     ("median_itl_ms", "ITL p50 ms"),
 )
+DEFAULT_LATENCIES_MS = (0.0, 3.2)
 BENCH_TIMEOUT_S = 900.0  # one bench_serving run; a stuck server fails the arm
 START_ATTEMPTS, START_RETRY_S = 3, 30.0
 
@@ -225,6 +228,17 @@ def start(server, name: str, quiet: bool) -> int:
 
 
 def run(args) -> int:
+    if args.workload == shared_prompt.WORKLOAD:  # one prompt read from L3 by many
+        # argparse hands a left-out option its default object itself: ``is`` tells it
+        # from the same value typed, so these defaults are the workload's own
+        if args.arms is DEFAULT_ARMS:
+            args.arms = shared_prompt.ARMS
+        if args.latency_ms is DEFAULT_LATENCIES_MS:
+            args.latency_ms = (0.0,)
+        return shared_prompt.run(args)
+    if shared_prompt.READ_ONCE in args.arms:
+        raise ToolError(f"the {shared_prompt.READ_ONCE} arm runs only with --workload "
+                        f"{shared_prompt.WORKLOAD} (and --storage mooncake)")  # fmt: skip
     if storage.wanted(args):  # requests waiting on L3 prefetches instead (storage.py)
         return storage.run(args)
     if args.workload == "pd":  # a PD pair's decode offload sync instead (pd.py)
@@ -283,12 +297,14 @@ def _latencies(raw: str) -> tuple[float, ...]:
 
 
 def _arms(raw: str) -> tuple[str, ...]:
+    known = (*ARMS, shared_prompt.READ_ONCE)
+
     def item(x: str) -> str:
-        if x.lower() not in ARMS:
+        if x.lower() not in known:
             raise ValueError(f"{x!r} is not one of them")
         return x.lower()
 
-    accepted = f"a comma-separated list of {', '.join(ARMS)}"
+    accepted = f"a comma-separated list of {', '.join(known)}"
     return tuple(dict.fromkeys(parse_list("--arms", raw, item, accepted)))
 
 
@@ -317,14 +333,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--arms",
         type=_arms,
         default=DEFAULT_ARMS,
-        help=f"comma-separated, of {', '.join(ARMS)} (default stock,plugin)",
+        help=f"comma-separated, of {', '.join(ARMS)}, {shared_prompt.READ_ONCE} (default "
+        f"stock,plugin; {','.join(shared_prompt.ARMS)} for --workload {shared_prompt.WORKLOAD})",
     )
     p.add_argument(
         "--latency-ms",
         type=_latencies,
-        default=(0.0, 3.2),
+        default=DEFAULT_LATENCIES_MS,
         help="injected latency per HiCache all_reduce inside the L2 servers "
-        "(default 0,3.2: the seed's B200 host)",
+        f"(default 0,3.2: the seed's B200 host; 0 for --workload {shared_prompt.WORKLOAD})",
     )
     p.add_argument(
         "--rounds",
@@ -341,11 +358,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--workload",
-        choices=WORKLOADS,
+        choices=(*WORKLOADS, shared_prompt.WORKLOAD),
         default="gsp",
         help="gsp: generated-shared-prefix (quick, default); multiturn: the "
         "seed's N lanes x M turns; pd: a PD pair (prefill TP 1, decode TP --tp with "
-        "KV offload), gsp's requests through SGLang's PD router, arms stock, plugin, bound",
+        "KV offload), gsp's requests through SGLang's PD router, arms stock, plugin, bound; "
+        f"{shared_prompt.WORKLOAD} (with --storage mooncake): one system prompt read from "
+        "L3 by many requests, L3 reads counted by mooncake_master",
     )
     g = p.add_argument_group("gsp workload")
     g.add_argument("--num-groups", type=int_in("--num-groups", 1), default=8)
@@ -408,5 +427,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="FILE")
     p.add_argument("--quiet", action="store_true")
     storage.add_arguments(p)
+    shared_prompt.add_arguments(p)
     p.set_defaults(func=run)
     return p

@@ -23,7 +23,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -100,7 +99,7 @@ def prompts(n: int, words: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
 
 
-def _stream(url: str, text: str, max_new_tokens: int) -> dict:
+def stream(url: str, text: str, max_new_tokens: int) -> dict:
     """One streamed request: TTFT (first chunk), total time, the last meta_info."""
     import urllib.request
 
@@ -124,24 +123,29 @@ def _stream(url: str, text: str, max_new_tokens: int) -> dict:
     return {"ttft_s": ttft, "latency_s": time.monotonic() - t0, "meta": meta}
 
 
-def send_round(server, texts: list[str], max_new_tokens: int) -> tuple[list[dict], float]:
-    """Every text at once, each from a thread inside the server's namespace."""
+def send_round(
+    server, texts: list[str], max_new_tokens: int, offsets_s: Optional[list[float]] = None
+) -> tuple[list[dict], float]:
+    """Every text at once, or text i ``offsets_s[i]`` seconds after the first, each
+    from a thread inside the server's namespace (its TTFT from its own send)."""
     out: list = [None] * len(texts)
     ns = server._ns()
 
     def one(i: int) -> None:
         try:
             ns.enter()
-            out[i] = _stream(server.url, texts[i], max_new_tokens)
+            if offsets_s:
+                time.sleep(max(0.0, t0 + offsets_s[i] - time.monotonic()))
+            out[i] = stream(server.url, texts[i], max_new_tokens)
         except Exception as exc:  # noqa: BLE001 - a failed request fails the arm below
             out[i] = exc
 
-    t0 = time.monotonic()
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(texts))]
+    t0 = time.monotonic()
     for t in threads:
         t.start()
     for t in threads:
-        t.join(REQUEST_TIMEOUT_S + 30)
+        t.join(REQUEST_TIMEOUT_S + 30 + max(offsets_s or [0.0]))
     wall = time.monotonic() - t0
     failed = [r for r in out if not isinstance(r, dict)]
     if failed:
@@ -149,16 +153,22 @@ def send_round(server, texts: list[str], max_new_tokens: int) -> tuple[list[dict
     return out, wall
 
 
-def _flush(server) -> None:
-    import urllib.error
+class ServerExited(ToolError):
+    """The server died under the bench (SGLang 0.5.23's flush can: a storage thread
+    that does not stop in time fails ``reset()``, and the scheduler with it)."""
 
+
+def flush_cache(server) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
             if b"Cache flushed" in server.post("/flush_cache?timeout=30"):
                 return
-        except urllib.error.HTTPError:
-            pass
+        except OSError:  # refused while busy, or the server is going down
+            if server.exited():
+                errors = [x for x in server.log(300).splitlines() if "Error" in x] or ["-"]
+                raise ServerExited(f"the server exited during /flush_cache ({errors[-1]}); "
+                                   f"see {server.log_path}") from None  # fmt: skip
         time.sleep(1.0)
     raise ToolError("the server refused /flush_cache for two minutes")
 
@@ -246,7 +256,7 @@ def visit(cfg: dict, conf: tuple, rnd: int, workdir: Path, quiet: bool) -> dict:
             send_round(server, texts, cfg["output_len"])  # warm-up: stores every prompt
             mc.settled_keys()
             for _ in range(cfg["runs"]):
-                _flush(server)
+                flush_cache(server)
                 before = _counts_now(counts_dir)
                 replies, wall = send_round(server, texts, cfg["output_len"])
                 runs.append(round_figures(replies, wall, _delta(_counts_now(counts_dir), before)))
@@ -375,8 +385,9 @@ def draw_png(path: Path, visits: list[dict], title: str) -> None:
 
 
 def run(args) -> int:
-    from hicache_async_ack_lab.bench.arms import config_of, load_visits, rounds_of
+    from hicache_async_ack_lab.bench.arms import config_of, rounds_of
     from hicache_async_ack_lab.bench.server_report import ratio_table, ratios
+    from hicache_async_ack_lab.bench.visits import run_visits
 
     cfg = config_of(args) | {
         "storage": args.storage,
@@ -398,36 +409,20 @@ def run(args) -> int:
               f"exceeds SGLang's prefetch budget ({budget:.0f} tokens, half the host pool): "
               "expect prefetches declined (host full); raise --hicache-ratio",
               file=sys.stderr)  # fmt: skip
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hicache-bench-storage-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    load_at_start, t0 = os.getloadavg(), time.monotonic()
-    visits = load_visits(args.from_visits) if args.from_visits else []
-    if visits:  # report only: earlier runs' rounds, pooled
-        cfg["rounds"] = len({v["round"] for v in visits})
-        load_at_start = visits[0]["loadavg_start"]
-    for rnd, order in enumerate([] if visits else rounds_of(cfg)):
-        for conf in order:
-            visits.append(visit(cfg, conf, rnd, workdir, args.quiet))
-            with open(workdir / "visits.jsonl", "a") as f:  # survives a failed later visit
-                f.write(json.dumps(visits[-1]) + "\n")
+    visits, run_facts, host = run_visits(args, cfg, rounds_of(cfg), visit, "storage")
     rows = with_headline(ratios(cfg, visits))
-    load_at_end, wall = os.getloadavg(), time.monotonic() - t0
-    if args.from_visits:
-        load_at_end, wall = visits[-1]["loadavg_end"], sum(v["wall_s"] for v in visits)
     print(
         f"hicache-async-ack-lab bench-server --storage {args.storage} {__version__}: "
         f"{title_of(cfg)}"
     )
-    print(f"host: {os.cpu_count()} CPUs, load average {load_at_start[0]:.2f} at start, "
-          f"{load_at_end[0]:.2f} at end (other work on the box skews every figure); "
-          f"{len(visits)} server runs in {wall / 60:.1f} min; logs in {workdir}")  # fmt: skip
+    print(host)
     print(arm_table(visits))
     print()
     print(ratio_table(rows))
     record = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "kind": "server-storage", "config": cfg,
-        "versions": versions(), "cpu_count": os.cpu_count(), "loadavg_start": load_at_start,
-        "loadavg_end": load_at_end, "wall_s": wall, "visits": visits, "ratios": rows,
+        "versions": versions(), "cpu_count": os.cpu_count(), **run_facts, "visits": visits,
+        "ratios": rows,
     }  # fmt: skip
     save(args, record, "bench-server-storage",
          lambda png: draw_png(png, visits, title_of(cfg)))  # fmt: skip
