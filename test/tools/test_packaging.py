@@ -170,15 +170,16 @@ def lab_problems(wheel: Wheel) -> list[str]:
     return problems
 
 
-@pytest.fixture(scope="module")
-def wheels(tmp_path_factory) -> dict[str, Wheel]:
-    """Both wheels, built by scripts/build-wheels.sh with this interpreter."""
-    out = tmp_path_factory.mktemp("dist")
-    script = ["bash", str(ROOT / "scripts" / "build-wheels.sh"), str(out)]
-    # Its own session: the script runs its two builds in the background.
+WHEEL_NAMES = [f"{RUNTIME}-{__version__}-py3-none-any.whl", f"{LAB}-{__version__}-py3-none-any.whl"]
+
+
+def run_build(command: list[str], env: dict[str, str]) -> tuple[str, str]:
+    """Run a build command in its own session (the script runs its two builds in the
+    background), killed with its group on a timeout: (stdout, stderr); it must succeed."""
     build = subprocess.Popen(
-        script,
-        env={**os.environ, "PYTHON": sys.executable},
+        command,
+        cwd=ROOT,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -191,12 +192,18 @@ def wheels(tmp_path_factory) -> dict[str, Wheel]:
             os.killpg(build.pid, signal.SIGKILL)
             build.wait()
     assert build.returncode == 0, stderr[-3000:]
+    return stdout, stderr
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory) -> dict[str, Wheel]:
+    """Both wheels, built by scripts/build-wheels.sh with this interpreter."""
+    out = tmp_path_factory.mktemp("dist")
+    script = ["bash", str(ROOT / "scripts" / "build-wheels.sh"), str(out)]
+    stdout, _ = run_build(script, {**os.environ, "PYTHON": sys.executable})
     printed = [Path(line) for line in stdout.split()]
     built = sorted(out.glob("*.whl"))
-    assert [p.name for p in printed] == [
-        f"{RUNTIME}-{__version__}-py3-none-any.whl",
-        f"{LAB}-{__version__}-py3-none-any.whl",
-    ]
+    assert [p.name for p in printed] == WHEEL_NAMES
     assert sorted(printed) == built
     return {RUNTIME: Wheel.read(printed[0]), LAB: Wheel.read(printed[1])}
 
@@ -242,28 +249,9 @@ def test_readmes_build_command_works_from_a_bare_venv(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=PIP_TIMEOUT_S)
     env = {k: v for k, v in clean_env().items() if k not in ("PYTHON", "HICACHE_ASYNC_ACK_VENV")}
     env.update(VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}:{env.get('PATH', '')}")
-    build = subprocess.Popen(
-        [*command, str(tmp_path / "dist")],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = build.communicate(timeout=BUILD_TIMEOUT_S)
-    finally:
-        if build.poll() is None:
-            os.killpg(build.pid, signal.SIGKILL)
-            build.wait()
+    _, stderr = run_build([*command, str(tmp_path / "dist")], env)
     took = time.monotonic() - start
-    assert build.returncode == 0, stderr[-3000:]
-    built = sorted(p.name for p in (tmp_path / "dist").glob("*.whl"))
-    assert built == [
-        f"{RUNTIME}-{__version__}-py3-none-any.whl",
-        f"{LAB}-{__version__}-py3-none-any.whl",
-    ]
+    assert sorted(p.name for p in (tmp_path / "dist").glob("*.whl")) == WHEEL_NAMES
     assert "setup:" not in stderr  # scripts/setup.sh (the development set-up) did not run
     print(f"bare venv + README's build command: both wheels in {took:.1f} s")
 
