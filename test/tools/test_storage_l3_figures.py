@@ -300,3 +300,44 @@ def test_the_tables_show_intervals_and_a_dash_for_absent_read_once_counts(capsys
     png = tmp_path / "shared.png"
     shared_prompt_report.draw_png(png, cfg, visits)
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+class _DyingServer:
+    """A server that crashed in SGLang's flush: its HTTP end gone, its log saying why."""
+
+    log_path = "server.log"
+
+    def post(self, path: str) -> bytes:
+        raise ConnectionResetError("Remote end closed connection without response")
+
+    def exited(self) -> bool:
+        return True
+
+    def log(self, tail: int) -> str:
+        return "RuntimeError: Failed to stop HiCache storage threads cleanly.\nSIGQUIT received."
+
+
+def test_a_server_that_dies_in_its_flush_is_named_and_its_visit_run_once_more(
+    monkeypatch, tmp_path
+):
+    with pytest.raises(storage.ServerExited, match="Failed to stop HiCache storage threads"):
+        storage.flush_cache(_DyingServer())
+    calls = []
+
+    def visit(cfg, conf, rnd, workdir, quiet):
+        calls.append(workdir)
+        if len(calls) <= failures:
+            raise storage.ServerExited("the server exited during /flush_cache")
+        return {"arm": conf[0]}
+
+    monkeypatch.setattr(shared_prompt, "visit", visit)
+    failures = 1
+    rec = shared_prompt.visit_again_once({}, ("stock", 0.0, None), 0, tmp_path, True)
+    assert rec == {"arm": "stock", "attempts": 2}
+    assert calls == [tmp_path, tmp_path / "again-stock-r0"]  # the first one's logs stay
+    # Negative control: a second death is the run's error, not a third try.
+    calls.clear()
+    failures = 2
+    with pytest.raises(storage.ServerExited):
+        shared_prompt.visit_again_once({}, ("stock", 0.0, None), 0, tmp_path, True)
+    assert len(calls) == 2
