@@ -256,6 +256,25 @@ def test_readmes_build_command_works_from_a_bare_venv(tmp_path):
     print(f"bare venv + README's build command: both wheels in {took:.1f} s")
 
 
+def test_the_build_says_when_the_interpreter_has_no_pip(tmp_path):
+    """A venv without pip: the script names the missing pip and builds nothing."""
+    venv = tmp_path / "nopip"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
+    env = {**clean_env(), "PYTHON": str(venv / "bin" / "python")}
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "build-wheels.sh"), str(tmp_path / "dist")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "has no pip" in done.stderr and done.stdout == "", done.stderr
+    assert not list((tmp_path / "dist").glob("*.whl"))
+
+
 def readme_sizes() -> dict[str, float]:
     """README's install table: wheel -> the size it states, in KB."""
     rows = re.findall(
