@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import inspect
 import logging
+import re
 import zipfile
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from hicache_async_ack.env import ALLOW_UNTESTED_VAR, ENABLE_VAR
 from hicache_async_ack.guard import TARGETS, check_installed, fingerprint_function
 from hicache_async_ack.names import ACK, BY_NAME, SYNC_NAMES
 from hicache_async_ack.sglang_plugin import Environment, hooked_for
-from hicache_async_ack.tools import diagnose
+from hicache_async_ack.tools import Exit, diagnose
 from hicache_async_ack_lab import releases
 from hicache_async_ack_lab.testing.drift import (
     drifted,
@@ -427,98 +428,112 @@ def test_bad_opt_in_value_fails_server_start(registered, caplog):
 
 
 # ------------------------------------------------------------------ doctor
-def _doctor(monkeypatch, **env):
+LIVE_LAUNCH = ["--tp", "4", "--enable-hierarchical-cache"]
+
+
+def _doctor(monkeypatch, launch=None, verbose=False, **env):
     for var in (ENABLE_VAR, ALLOW_UNTESTED_VAR):
         monkeypatch.delenv(var, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    return diagnose(tp=2, step_ms=11.0, rounds=0)
+    return diagnose(launch, verbose)
+
+
+def guard_rows(rep) -> dict[str, str]:
+    """The version guard's row per sync, its wrapping (to the value column) undone."""
+    text = re.sub(r"\n {20,}(?=\S)", " ", "\n".join(rep.lines))
+    rows = {}
+    for sync in SYNC_NAMES:
+        found = re.search(rf"^  {sync} +((?:yes|NO|UNTESTED)\b.*)$", text, re.M)
+        assert found, (sync, text)
+        rows[sync] = found.group(1)
+    return rows
 
 
 def test_doctor_shows_release_range_and_every_fingerprint(monkeypatch):
-    rep = _doctor(monkeypatch)
-    lines = dict(rep.lines)
+    rep = _doctor(monkeypatch, verbose=True)
+    text = "\n".join(rep.lines)
     installed = upstream.installed_version()
-    assert lines["SGLang"] == installed
-    assert lines["tested range"].endswith(f": {installed} is in it")
+    assert f"SGLang {installed}, in the tested range" in " ".join(text.split())
     assert TARGETS
     for t in TARGETS:
-        line = lines[f"  {t.label}"]
+        found = re.search(rf"^    {re.escape(t.label)}: (.*)$", text, re.M)
+        assert found, (t.label, text)
+        line = found.group(1)
         # a method the table records as absent in this release (one only another
         # feature needs, e.g. 0.5.20's missing prefetch deadline predicate)
         absent = line.startswith("absent, as recorded for ") and installed in line
         assert line.startswith("same as ") or absent, (t.label, line)
-        assert installed in lines[f"  {t.label}"]
+    rows = guard_rows(rep)
     for feature in runs_here():
-        line = lines[f"supported: {feature}"]
-        assert line == f"yes: SGLang {installed} matches tested release {installed}"
-    assert rep.blockers == []
+        assert rows[feature] == f"yes: SGLang {installed} matches tested release {installed}"
+    assert rep.code == Exit.LIVE
+    assert "same as" not in "\n".join(_doctor(monkeypatch).lines)  # the table is --verbose's
 
 
 def test_doctor_says_which_feature_stands_down_and_why(monkeypatch, cache_cls):
     live = runs_here()
     monkeypatch.setattr(cache_cls, SYNC, drifted(getattr(cache_cls, SYNC)))
-    rep = _doctor(monkeypatch)
-    lines = dict(rep.lines)
-    assert lines[f"  {SYNC}"].startswith("CHANGED: matches no tested release")
-    assert lines["  check_hicache_events"].startswith("same as")
-    ack = lines["supported: ack_counts"]
+    rep = _doctor(monkeypatch, verbose=True)
+    text = "\n".join(rep.lines)
+    assert re.search(rf"^    {SYNC}: CHANGED: matches no tested release", text, re.M)
+    assert re.search(r"^    check_hicache_events: same as", text, re.M)
+    ack = guard_rows(rep)["ack_counts"]
     assert ack.startswith("NO, stands down: ") and SYNC_QUALNAME in ack
     assert ALLOW_UNTESTED_VAR in ack
+    assert rep.code == Exit.GUARD  # the ack sync decides, whatever else still runs
     if "decode_offload" in live:  # the offload sync's methods are untouched
-        assert lines["supported: decode_offload"].startswith("yes: ")
-        assert rep.blockers == []  # a feature runs: the plugin is active
+        assert guard_rows(rep)["decode_offload"].startswith("yes: ")
     rep = _doctor(monkeypatch, **{ALLOW_UNTESTED_VAR: "1"})
-    assert dict(rep.lines)["supported: ack_counts"].startswith("UNTESTED, running anyway")
-    assert rep.blockers == []
+    assert guard_rows(rep)["ack_counts"].startswith("UNTESTED, runs anyway")
+    assert rep.code == Exit.LIVE
 
 
-def test_doctors_verdict_names_the_live_syncs_and_those_standing_down(
-    monkeypatch, cache_cls, capsys
-):
-    """A sync's own setting off, then a changed method the ack sync relies on:
-    the verdict names what still runs and, for the others, why they do not
-    (never a bare "plugin ACTIVE")."""
+def test_doctors_verdict_names_the_cause_and_the_syncs_still_live(monkeypatch, cache_cls, capsys):
+    """A changed method the ack sync relies on, on a launch every sync serves: exit with
+    the guard's code (never a bare "plugin ACTIVE"), naming the method, the offload sync
+    still live on its own line; its own setting off, it stands down by name."""
     from hicache_async_ack.env import OFFLOAD_SYNC_VAR
     from hicache_async_ack.tools import main
 
     live = runs_here()
     if "decode_offload" not in live:
         pytest.skip("no sync but the ack sync runs on this SGLang")
-
-    def verdict() -> str:
-        assert main(["doctor", "--rounds", "0"]) == 0
-        out = capsys.readouterr().out.splitlines()
-        (line,) = [x for x in out if x.startswith("verdict: plugin ACTIVE")]
-        return line
-
-    for var in (ENABLE_VAR, ALLOW_UNTESTED_VAR):
+    launch = ["--", *LIVE_LAUNCH, "--disaggregation-mode", "decode",
+              "--disaggregation-decode-enable-offload-kvcache"]  # fmt: skip
+    for var in (ENABLE_VAR, ALLOW_UNTESTED_VAR, OFFLOAD_SYNC_VAR):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv(OFFLOAD_SYNC_VAR, "0")
-    line = verdict()
-    assert "live: ack_counts" in line and f"decode_offload ({OFFLOAD_SYNC_VAR}=0)" in line, line
-    monkeypatch.delenv(OFFLOAD_SYNC_VAR)
+    assert main(["doctor", *launch]) == Exit.LIVE  # control: nothing changed
+    capsys.readouterr()
     monkeypatch.setattr(cache_cls, SYNC, drifted(getattr(cache_cls, SYNC)))
-    line = verdict()
-    assert "live: decode_offload;" in line, line
-    assert f"standing down: ack_counts (untested methods: {SYNC_QUALNAME})" in line, line
+    assert main(["doctor", *launch]) == Exit.GUARD
+    out = " ".join(capsys.readouterr().out.split())
+    verdict = out.split("verdict: ")[1]
+    assert verdict.startswith(f"INACTIVE (exit {Exit.GUARD.value}): the version guard keeps")
+    assert SYNC_QUALNAME in verdict and "still live (extras" in verdict
+    assert "decode_offload live: pipelined over the TP group" in out, out
+    monkeypatch.setenv(OFFLOAD_SYNC_VAR, "0")
+    main(["doctor", *launch])
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"decode_offload standing down (feature_disabled_by_env): {OFFLOAD_SYNC_VAR}=0" in out
 
 
 def test_doctor_blocks_when_no_feature_would_run(monkeypatch, cache_cls):
-    """Negative control of the one above: with every feature's methods changed,
-    doctor says the plugin would not run (exit status 1)."""
+    """With every feature's methods changed, no guard row says yes and the exit is the
+    guard's; control: the same report before the change says yes."""
     from sglang.srt.disaggregation.decode_kvcache_offload_manager import (
         DecodeKVCacheOffloadManager as manager_cls,
     )
 
+    assert "yes: " in guard_rows(_doctor(monkeypatch))["ack_counts"]
     monkeypatch.setattr(cache_cls, SYNC, drifted(getattr(cache_cls, SYNC)))
     for name in ("check_offload_progress",):
         monkeypatch.setattr(manager_cls, name, drifted(getattr(manager_cls, name), no_op_first))
-    rep = _doctor(monkeypatch)
-    assert all(not v.startswith("yes") for k, v in rep.lines if k.startswith("supported: ")), (
-        rep.lines
-    )
-    assert any("no feature of the plugin would run" in b for b in rep.blockers)
+    rep = _doctor(monkeypatch, LIVE_LAUNCH)
+    rows = guard_rows(rep)
+    assert all(not v.startswith("yes") for v in rows.values()), rows
+    assert rep.code == Exit.GUARD
+    assert not any(v.live for v in rep.syncs.values())
 
 
 # ------------------------------------------------- the next-release check

@@ -12,6 +12,7 @@ from types import FrameType
 from typing import Optional, Sequence
 
 from .. import __version__
+from ..protocol import PROTOCOL_VERSION
 from . import doctor
 from .ranks import RanksFailed
 
@@ -39,12 +40,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="hicache-async-ack",
         description="SGLang plugin that pipelines the per-step HiCache ack-count all_reduce. "
-        "`doctor` says whether this host is affected and whether the plugin is live.",
+        "`doctor [-- <launch_server arguments>]` says whether it would pipeline here.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {__version__} (wire protocol {PROTOCOL_VERSION})",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     doctor.add_parser(sub)
+    launch = None  # doctor's `-- <launch_server arguments>`, read by SGLang's parser
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, launch = argv[:cut], argv[cut + 1 :]
     args = parser.parse_args(argv)
+    if launch is not None:
+        args.launch = launch
     previous = signal.signal(signal.SIGTERM, _terminate)  # SIGTERM kills ranks as Ctrl-C does
     try:
         return int(args.func(args))

@@ -1,187 +1,186 @@
-"""``hicache-async-ack doctor``: would the plugin be active here (exit 0, else 1), and
-what does the blocking path cost on this host (gloo latency, informational)?"""
+"""``hicache-async-ack doctor [-- <launch_server arguments>]``: would the ack sync pipeline
+on this node (and on this launch)? One exit code per cause (:mod:`.exits`); the verdict
+on a launch is the plugin's own decision code run on what SGLang would build from it
+(:mod:`.launch`). The gloo latency measurement runs only when asked for (``--measure``)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
-import time
+import sys
+import textwrap
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from .. import __version__
+from .. import env as plugin_env
 from ..env import (
-    ALLOW_UNTESTED_DEFAULT,
     ALLOW_UNTESTED_VAR,
-    DEPTH_DEFAULT,
+    DEPTH_AUTO,
+    DEPTH_MAX,
     DEPTH_VAR,
-    ENABLE_DEFAULT,
     ENABLE_VAR,
     ENTRY_POINT_NAME,
-    OFFLOAD_SYNC_DEFAULT,
     OFFLOAD_SYNC_VAR,
     PLUGINS_VAR,
-    PREFETCH_VOTES_DEFAULT,
     PREFETCH_VOTES_VAR,
+    READ_ONCE_VAR,
     allow_untested,
     parse_bool,
     parse_depth,
     plugin_whitelisted,
 )
-from ..guard import check_installed
-from ..names import SYNCS
+from ..guard import Judged, Verdict, check_installed
+from ..metrics import FAMILIES, PATH_INFO
+from ..names import ACK, ACK_COUNTS, BY_NAME, SYNC_NAMES, SyncName
+from ..protocol import PROTOCOL_VERSION
+from .exits import Exit, exit_table
+from .launch import (
+    REFERENCE_TEXT,
+    Launch,
+    LaunchRejected,
+    SyncVerdict,
+    guard_decision,
+    judge,
+    judge_reference,
+    parse_launch,
+)
+from .measure import TENSOR_LEN, measure
 from .options import int_in, subcommand
-from .ranks import Job, RankContext, run_ranks
 
 GROUP = "sglang.srt.plugins"
+WIDTH = 100  # every line doctor prints fits this (a path longer than it stays whole)
 DEFAULT_ROUNDS = 200
-TENSOR_LEN = 10
+KEY = 16  # the key column of the short sections
+GUARD_CODES = ("untested_release", "not_in_release")  # register() hooks nothing of the sync
+
+
+def wrap(text: str, first: str = "", rest: str = "    ") -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=first, subsequent_indent=rest,
+                         break_long_words=False, break_on_hyphens=False) or [first]  # fmt: skip
+
+
+def row(key: str, value: str, width: int = KEY) -> list[str]:
+    head = f"  {key.ljust(width)}  "
+    return wrap(value, head, " " * len(head))
 
 
 @dataclass
 class Report:
-    lines: list[tuple[str, str]] = field(default_factory=list)
-    blockers: list[str] = field(default_factory=list)
-    live: list[str] = field(default_factory=list)  # the syncs that would run
-    down: list[str] = field(default_factory=list)  # "sync (why)" for those standing down
+    """What doctor found: the printed lines, each cause keeping the ack sync off with
+    its exit code, the syncs' verdicts, the launch judged (None: the reference ones)."""
 
-    def add(self, key: str, value: str) -> None:
-        self.lines.append((key, value))
+    lines: list[str] = field(default_factory=list)
+    causes: list[tuple[Exit, str]] = field(default_factory=list)
+    syncs: dict[SyncName, SyncVerdict] = field(default_factory=dict)
+    launch: Optional[Launch] = None
+    loads: bool = False  # SGLang's loader would call register() here
 
-    def block(self, why: str) -> None:
-        self.blockers.append(why)
+    @property
+    def code(self) -> Exit:
+        return min((code for code, _ in self.causes), default=Exit.LIVE)
 
+    def add(self, *lines: str) -> None:
+        self.lines.extend(lines)
 
-def allreduce_rank(ctx: RankContext, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Per round: align the ranks with a broadcast (the scheduler's
-    recv_requests), time one blocking MIN all_reduce of a small int64 tensor,
-    then idle a little, as between scheduler steps."""
-    import torch
-    import torch.distributed as dist
-
-    t = torch.zeros(TENSOR_LEN, dtype=torch.int64)
-    b = torch.zeros(1, dtype=torch.int64)
-    lat = []
-    warm = cfg["warmup"]
-    total = warm + cfg["rounds"]
-    ctx.report(0)
-    for i in range(total):
-        dist.broadcast(b, src=0)
-        t0 = time.perf_counter()
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        dt = time.perf_counter() - t0
-        if i >= warm:
-            lat.append(dt * 1000.0)
-        time.sleep(cfg["gap_ms"] / 1000.0)
-        ctx.report(i + 1)
-    return {"lat_ms": lat}
-
-
-def measure_allreduce(tp: int, rounds: int, gap_ms: float = 1.0) -> dict:
-    import numpy as np
-
-    job = Job(
-        target=f"{__name__}:allreduce_rank",
-        world_size=tp,
-        payload={"rounds": rounds, "warmup": 20, "gap_ms": gap_ms},
-        timeout_s=60.0 + rounds * (gap_ms + 50.0) / 1000.0,
-        label="gloo all_reduce measurement",
-    )
-    lat = [x for r in run_ranks(job) if r is not None for x in r["lat_ms"]]
-    median, p90 = np.quantile(lat, (0.5, 0.9))
-    return {"median": float(median), "p90": float(p90), "n": len(lat)}
-
-
-def _entry_point() -> Any:
-    from importlib.metadata import entry_points
-
-    return next((ep for ep in entry_points(group=GROUP) if ep.name == ENTRY_POINT_NAME), None)
-
-
-# Every variable the plugin reads: (variable, parser, default, what the value means,
-# why it would keep the plugin from running or None).
-Describe = Callable[[Any], str]
-SETTINGS: tuple[tuple[str, Callable, Any, Describe, Callable[[Any], Optional[str]]], ...] = (
-    (ENABLE_VAR, parse_bool, ENABLE_DEFAULT, lambda on: "enabled" if on else "DISABLED",
-     lambda on: None if on else f"{ENABLE_VAR}=0 keeps the blocking path"),
-    (DEPTH_VAR, parse_depth, DEPTH_DEFAULT, lambda depth: f"depth {depth}", lambda _: None),
-    (ALLOW_UNTESTED_VAR, parse_bool, ALLOW_UNTESTED_DEFAULT,
-     lambda on: f"on an untested SGLang the plugin {'runs' if on else 'stays inert'}",
-     lambda _: None),
-    (PREFETCH_VOTES_VAR, parse_bool, PREFETCH_VOTES_DEFAULT,
-     lambda on: "on: with a storage backend under the timeout policy (TP > 1, no PP), the "
-     "prefetch votes ride the ack-count reduce (whether this SGLang runs them: "
-     "'supported: prefetch_votes' above)" if on
-     else "off: one blocking reduce per waiting prefetch", lambda _: None),
-    (OFFLOAD_SYNC_VAR, parse_bool, OFFLOAD_SYNC_DEFAULT,
-     lambda on: "on: with --disaggregation-decode-enable-offload-kvcache (TP > 1) the decode "
-     "offload sync pipelines (whether this SGLang runs it: 'supported: "
-     "decode_offload' above)" if on else "off", lambda _: None),
-)  # fmt: skip
-
-
-def _add_settings(rep: Report) -> None:
-    """The plugin's variables, as register() would read them."""
-    for var, parse, default, describe, blocker in SETTINGS:
-        raw = os.environ.get(var)
-        shown = "unset" if raw is None else repr(raw)
-        default_note = " (default)" if raw in (None, "") else ""
-        try:
-            value = parse(var, raw, default)
-        except ValueError as exc:
-            rep.add(var, f"{shown} -> INVALID: {exc}")
-            rep.block(f"{var} is invalid: HiCache init would raise and the server not start")
-            continue
-        rep.add(var, f"{shown} -> {describe(value)}{default_note}")
-        why = blocker(value)
-        if why is not None:
-            rep.block(why.replace("=0", f"={raw}"))
-
-
-def _add_upstream(rep: Report) -> None:
-    """The installed SGLang against the tested releases, fingerprint by fingerprint."""
-    try:
-        untested_ok = allow_untested()
-    except ValueError:
-        untested_ok = False  # reported (and blocking) with the settings
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        verdict = check_installed()
-    where = "in" if verdict.in_range else "OUTSIDE"
-    rep.add(
-        "tested range",
-        f"SGLang {verdict.range_text} ({', '.join(verdict.tested)}): "
-        f"{verdict.installed or 'none installed'} is {where} it",
-    )
-    rep.add("fingerprints", "each method the hooks wrap or rely on, against the recorded ones")
-    for m in verdict.methods:
-        rep.add(f"  {m.target.label}", m.describe())
-    for judged in verdict.features():
-        summary = judged.summary(verdict)
-        key = f"supported: {judged.feature}"
-        if judged.status == "tested":
-            rep.add(key, f"yes: {summary}")
-            rep.live.append(judged.feature)
-        elif judged.status == "absent":
-            rep.add(key, f"not here: {summary} (it stands down; the others are judged alone)")
-            rep.down.append(f"{judged.feature} (not in this release)")
-        elif judged.status == "incompatible":
-            rep.add(key, f"NO, stands down: {summary}")
-            rep.down.append(f"{judged.feature} (incompatible methods)")
-        elif untested_ok:
-            rep.add(key, f"UNTESTED, running anyway ({ALLOW_UNTESTED_VAR}): {summary}")
-            rep.live.append(judged.feature)
+    def verdict(self) -> list[str]:
+        """The verdict, then how to see the plugin working (always the last line)."""
+        code = self.code
+        if code == Exit.LIVE:
+            if self.launch is not None:
+                what = "would pipeline on this launch"
+            else:
+                what = (
+                    "is allowed on this node; `doctor -- <launch_server arguments>` judges a launch"
+                )
+            out = wrap(f"verdict: ACTIVE (exit 0): the ack sync {what}")
         else:
-            rep.add(key, f"NO, stands down: {summary} ({ALLOW_UNTESTED_VAR}=1 runs it anyway)")
-            rep.down.append(f"{judged.feature} (untested methods: {', '.join(judged.changed)})")
-    if not rep.live:
-        rep.block(
-            f"no feature of the plugin would run on this SGLang (tested: {verdict.range_text})"
-        )
+            first = min(self.causes)
+            out = wrap(f"verdict: INACTIVE (exit {code.value}): {first[1]}")
+            out += [x for _, why in sorted(self.causes)[1:] for x in wrap(why, "  also: ")]
+        extras = [s for s, v in self.syncs.items() if s != ACK and v.live]
+        if extras and code != Exit.LIVE:
+            out += wrap(f"still live (extras, not judged by the exit code): {', '.join(extras)}",
+                        "  ")  # fmt: skip
+        if self.loads or code == Exit.LIVE:
+            out += see_it_working(self.syncs.get(ACK), code == Exit.LIVE)
+        return out
 
 
-def diagnose(tp: int, step_ms: float, rounds: int) -> Report:
+def see_it_working(ack: Optional[SyncVerdict], live: bool) -> list[str]:
+    line = ack.line if ack is not None and ack.live else f"{ACK_COUNTS.title}: pipelined ..."
+    gauge = next(f[2] for f in FAMILIES[ACK_COUNTS.metrics_key] if f[0] == "pipelined")
+    when = "see it working" if live else "once fixed, see it working"
+    return wrap(
+        f'{when}: each scheduler rank logs "{line}" (grep "{ACK_COUNTS.title}:"); '
+        f"with --enable-metrics, /metrics shows {gauge} 1 and "
+        f'{PATH_INFO}{{sync="{ACK}",path="pipelined"}} 1'
+    )
+
+
+def diagnose(launch: Optional[Sequence[str]] = None, verbose: bool = False) -> Report:
+    """Judge this node, and ``launch`` (the launch_server arguments) if given."""
+    rep = Report()
+    rep.add(f"hicache-async-ack doctor: plugin {__version__}, wire protocol {PROTOCOL_VERSION}")
+    sglang = sglang_location()
+    if sglang is None:
+        rep.causes.append((Exit.NO_SGLANG, f"no SGLang importable by {sys.executable}: run "
+                           "doctor with the Python that runs SGLang"))  # fmt: skip
+        return rep  # the verdict says it: nothing else here concerns SGLang's Python
+    rep.add(*row("python", sys.executable))
+    if not add_switch(rep):
+        return rep
+    add_loader(rep, sglang)
+    add_settings(rep)
+    judged = add_guard(rep, verbose)
+    if launch is not None:
+        try:
+            rep.launch = parse_launch(launch)
+        except LaunchRejected as exc:
+            rep.add(*wrap(f"launch: {' '.join(launch) or '(none)'}"))
+            rep.causes.append((Exit.LAUNCH_REJECTED, f"SGLang's launch_server would refuse "
+                               f"these arguments: {exc}"))  # fmt: skip
+            return rep
+    if any(code == Exit.INVALID_SETTING for code, _ in rep.causes):
+        rep.add("syncs: not judged (register() hooks none of them while a setting is invalid)")
+        return rep
+    add_syncs(rep, judged)
+    return rep
+
+
+def sglang_location() -> Optional[str]:
+    """Where this Python imports SGLang from (None: it cannot)."""
+    try:
+        spec = importlib.util.find_spec("sglang")
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    return next(iter(spec.submodule_search_locations or []), spec.origin or "?")
+
+
+def add_switch(rep: Report) -> bool:
+    """The switch, read first as register() reads it; False: nothing else is judged."""
+    raw = os.environ.get(ENABLE_VAR)
+    try:
+        on = parse_bool(ENABLE_VAR, raw, plugin_env.ENABLE_DEFAULT)
+    except ValueError as exc:
+        rep.add(*row(ENABLE_VAR, f"INVALID: {exc}", 0))
+        rep.causes.append((Exit.INVALID_SETTING, f"{ENABLE_VAR}={raw!r} is invalid: HiCache "
+                           "init would raise (a server with HiCache would not start); the "
+                           "plugin reads no other setting"))  # fmt: skip
+        return False
+    if not on:
+        rep.add(*wrap(f"{ENABLE_VAR}={raw!r}: the plugin is switched off; it reads no other "
+                      "setting and registers nothing, so nothing else is judged"))  # fmt: skip
+        rep.causes.append((Exit.SWITCHED_OFF, f"switched off by {ENABLE_VAR}={raw} (unset it, "
+                           "or set it to 1, on every node)"))  # fmt: skip
+    return on
+
+
+def add_loader(rep: Report, sglang: str) -> None:
     from importlib import metadata
 
     def version(dist: str) -> Optional[str]:
@@ -190,104 +189,225 @@ def diagnose(tp: int, step_ms: float, rounds: int) -> Report:
         except metadata.PackageNotFoundError:
             return None
 
-    rep = Report()
-    dist_version = version("hicache-async-ack")
-    # the package's own directory, not this module's (tools/)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    plugin = f"{__version__} ({here})"
-    if dist_version is None:
-        plugin += "; NOT installed as a distribution"
-    elif dist_version != __version__:
-        plugin += f"; installed metadata says {dist_version} (stale install?)"
-    rep.add("plugin", f"hicache-async-ack {plugin}")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package
+    dist = version("hicache-async-ack")
+    if dist is None:
+        installed = "NOT installed as a distribution"
+    elif dist != __version__:
+        installed = f"installed metadata says {dist} (a stale install?)"
+    else:
+        installed = f"installed as hicache-async-ack {dist}"
+    rep.add(*row("plugin", here), *row("", installed))
+    torch = version("torch") or "not installed"
+    rep.add(*row("SGLang", f"{version('sglang') or 'version unknown'}, torch {torch}"))
+    rep.add(*row("", f"imported from {sglang}"))
+    from importlib.metadata import entry_points
 
-    rep.add("SGLang", version("sglang") or "not installed")
-    rep.add("torch", version("torch") or "not installed")
-
-    _add_upstream(rep)
-
-    ep = _entry_point()
+    ep = next((e for e in entry_points(group=GROUP) if e.name == ENTRY_POINT_NAME), None)
     if ep is None:
-        rep.add("entry point", f"MISSING: no {ENTRY_POINT_NAME!r} in group {GROUP}")
-        rep.block("the entry point is not installed (pip install the plugin)")
+        rep.add(*row("entry point", f"MISSING: no {ENTRY_POINT_NAME!r} in group {GROUP}"))
+        rep.causes.append((Exit.NO_ENTRY_POINT, "the entry point is not installed, so SGLang's "
+                           "loader never calls the plugin: pip install the runtime wheel into "
+                           "this environment"))  # fmt: skip
     else:
-        rep.add("entry point", f"{ep.name} = {ep.value} (group {GROUP})")
-
-    raw_plugins = os.environ.get(PLUGINS_VAR)
+        rep.add(*row("entry point", f"{ep.name} = {ep.value} (group {GROUP})"))
+    raw = os.environ.get(PLUGINS_VAR)
     if plugin_whitelisted():
-        shown = "unset: every installed plugin loads" if not raw_plugins else repr(raw_plugins)
-        rep.add(PLUGINS_VAR, f"{shown} -> loaded")
+        rep.add(*row(PLUGINS_VAR, f"{raw!r}: lists it" if raw else "unset: every plugin loads"))
     else:
-        rep.add(PLUGINS_VAR, f"{raw_plugins!r} -> SKIPPED ({ENTRY_POINT_NAME} not listed)")
-        rep.block(f"{PLUGINS_VAR}={raw_plugins!r} does not list {ENTRY_POINT_NAME}")
-    _add_settings(rep)
-    for sync in SYNCS:  # a sync its own setting turns off stands down too
-        try:
-            on = parse_bool(sync.setting, os.environ.get(sync.setting), True)
-        except ValueError:
-            continue  # invalid: reported (and blocking) with the settings
-        if sync.name in rep.live and not on:
-            rep.live.remove(sync.name)
-            rep.down.append(f"{sync.name} ({sync.setting}=0)")
+        rep.add(*row(PLUGINS_VAR, f"{raw!r}: SKIPPED ({ENTRY_POINT_NAME} not listed)"))
+        rep.causes.append((Exit.EXCLUDED, f"{PLUGINS_VAR}={raw!r} does not list "
+                           f"{ENTRY_POINT_NAME}, so SGLang's loader skips it"))  # fmt: skip
+    rep.loads = ep is not None and plugin_whitelisted()
 
-    if rounds > 0:
+
+# --------------------------------------------------------------- the settings
+MEANING: dict[str, tuple[str, str]] = {  # variable -> (what on means, what off means)
+    ENABLE_VAR: ("the ack sync may pipeline", "SGLang's path everywhere"),
+    ALLOW_UNTESTED_VAR: ("a sync whose methods match no tested release runs anyway",
+                         "a sync whose methods match no tested release keeps SGLang's path"),
+    PREFETCH_VOTES_VAR: ("with a storage backend, prefetch deadlines ride the ack-count "
+                         "reduce", "SGLang's blocking reduce per waiting prefetch"),
+    READ_ONCE_VAR: ("with the votes, a request waits for a prefetch in flight at its anchor "
+                    "and reads only the rest", "each request reads its whole L3 remainder"),
+    OFFLOAD_SYNC_VAR: ("PD decode offload progress pipelined", "SGLang's blocking reduce"),
+}  # fmt: skip
+
+
+def plugin_settings() -> list[tuple[str, Callable[[str, Optional[str], Any], Any], Any]]:
+    """(variable, parser, default) of every setting env.py declares (``X_VAR`` with its
+    ``X_DEFAULT``), the switch first: a new one is a row here without a change."""
+    out = []
+    for name in plugin_env.__all__:
+        default = getattr(plugin_env, name.removesuffix("_VAR") + "_DEFAULT", None)
+        if name.endswith("_VAR") and default is not None:
+            parse = parse_bool if isinstance(default, bool) else parse_depth
+            out.append((getattr(plugin_env, name), parse, default))
+    return sorted(out, key=lambda s: s[0] != ENABLE_VAR)
+
+
+def describe(var: str, value: Any) -> tuple[str, str]:
+    """(the value as a word, what it means)."""
+    if var == DEPTH_VAR:
+        if value == DEPTH_AUTO:
+            return "auto", f"the ranks move the lag depth together from 1 to {DEPTH_MAX}"
+        return str(value), f"acks popped {value} step{'s' if value != 1 else ''} late"
+    on, off = MEANING.get(var, ("", ""))
+    return ("on", on) if value else ("off", off)
+
+
+def add_settings(rep: Report) -> None:
+    settings = plugin_settings()
+    rep.add("settings (read by the plugin in every scheduler process)")
+    width = max(len(var) for var, _, _ in settings)
+    for var, parse, default in settings:
+        raw = os.environ.get(var)
+        shown = "unset" if raw is None else repr(raw)
         try:
-            m = measure_allreduce(tp, rounds)
-        except Exception as exc:  # informational only
-            rep.add("gloo all_reduce", f"measurement failed: {exc}")
+            value = parse(var, raw, default)
+        except ValueError as exc:
+            rep.add(*row(var, f"{shown}: INVALID: {exc}", width))
+            rep.causes.append((Exit.INVALID_SETTING, f"{var}={raw!r} is invalid: HiCache init "
+                               "would raise (a server with HiCache would not start)"))  # fmt: skip
+            continue
+        word, meaning = describe(var, value)
+        default_note = " (default)" if raw is None else ""
+        rep.add(*row(var, f"{shown} -> {word}{default_note}: {meaning}".rstrip(": "), width))
+
+
+# --------------------------------------------------------------- the guard
+def add_guard(rep: Report, verbose: bool) -> Judged:
+    """The installed SGLang against the tested releases, per sync (register()'s verdict)."""
+    from ..sglang_plugin import IN_TREE_MODULE, carries_the_sync_itself
+
+    try:
+        untested_ok = allow_untested()
+    except ValueError:
+        untested_ok = False  # reported with the settings
+    if carries_the_sync_itself():
+        rep.causes.append((Exit.IN_TREE, f"this SGLang carries the pipelined ack sync itself "
+                           f"({IN_TREE_MODULE}): the plugin registers nothing; its own log "
+                           "line says how it runs"))  # fmt: skip
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            verdict: Optional[Verdict] = check_installed()
+    except Exception as exc:  # noqa: BLE001 (a broken table: register() hooks nothing)
+        rep.add(*row("version guard", f"cannot judge this SGLang: {exc!r}"))
+        rep.causes.append((Exit.GUARD, "the version guard cannot judge this SGLang"))
+        return Judged(None, untested_ok)
+    assert verdict is not None
+    where = "in" if verdict.in_range else "OUTSIDE"
+    rep.add(*wrap(f"version guard (is each sync supported here? each method: --verbose): SGLang "
+                  f"{verdict.installed or '(version unknown)'}, {where} the tested range "
+                  f"{verdict.range_text}"))  # fmt: skip
+    if verbose:
+        for m in verdict.methods:
+            rep.add(*wrap(m.describe(), f"    {m.target.label}: ", "        "))
+    for sync in SYNC_NAMES:
+        fv = verdict.feature(sync)
+        summary = fv.summary(verdict)
+        if fv.status == "tested":
+            text = f"yes: {summary}"
+        elif fv.status == "absent":
+            text = f"NO, not in this SGLang: {summary}"
+        elif fv.status == "untested" and untested_ok:
+            text = f"UNTESTED, runs anyway ({ALLOW_UNTESTED_VAR}=1): {summary}"
+        elif fv.status == "untested":
+            text = f"NO, stands down: {summary} ({ALLOW_UNTESTED_VAR}=1 runs it anyway)"
         else:
-            med = m["median"]
-            rep.add(
-                "gloo all_reduce",
-                f"{tp} ranks on 127.0.0.1, {rounds} x {TENSOR_LEN} int64 MIN: "
-                f"median {med:.3f} ms, p90 {m['p90']:.3f} ms",
-            )
-            penalty = med / (step_ms + med) if step_ms + med > 0 else 0.0
-            rep.add(
-                "blocking penalty",
-                f"~{100 * penalty:.1f}% of throughput on the blocking path at "
-                f"{step_ms:g} ms/step (median / (step + median))",
-            )
+            text = f"NO, stands down: {summary}"
+        rep.add(*row(sync, text))
+    judged = Judged(verdict, untested_ok)
+    if guard_decision(ACK, judged) is not None:
+        summary = verdict.feature(ACK).summary(verdict)
+        rep.causes.append((Exit.GUARD, f"the version guard keeps the ack sync off: {summary}"))
+    return judged
+
+
+# --------------------------------------------------------------- the syncs
+def add_syncs(rep: Report, judged: Judged) -> None:
+    launch = rep.launch
+    if launch is None:
+        rep.syncs = judge_reference(judged)
+        rep.add(*wrap("syncs (no launch given: each judged on a launch it serves; "
+                      "`doctor -- <launch_server arguments>` judges yours)"))  # fmt: skip
     else:
-        rep.add("gloo all_reduce", "not measured (--rounds 0)")
-    return rep
+        rep.syncs = judge(launch, judged)
+        rep.add(*wrap(f"launch: {' '.join(launch.argv) or '(none: SGLang defaults)'}"))
+        rep.add(*wrap(f"read by SGLang's own parser (no model loaded, its model-dependent "
+                      f"resolution not run): {launch.describe()}", "  ", "  "))  # fmt: skip
+        rep.add("syncs on this launch (the plugin's own decision code on what SGLang builds)")
+    for sync, v in rep.syncs.items():
+        rep.add(*row(sync, status(v, launch is None)))
+        if v.note and v.decision is not None:
+            rep.add(*wrap(f"note: {v.note}", " " * (KEY + 4), " " * (KEY + 6)))
+    ack = rep.syncs[ACK]
+    if not ack.live and ack.decision is not None and ack.decision.code not in GUARD_CODES:
+        rep.causes.append((Exit.STANDS_DOWN, f"the ack sync stands down on this launch "
+                           f"({ack.decision.code}): {ack.decision.reason}"))  # fmt: skip
 
 
+def status(v: SyncVerdict, reference: bool) -> str:
+    if v.decision is None:
+        return f"idle: {v.note}" if v.note else "idle"
+    if v.live:
+        how = v.line.removeprefix(f"{BY_NAME[v.sync].title}: ")
+        return f"allowed (on {REFERENCE_TEXT[v.sync]})" if reference else f"live: {how}"
+    code = v.decision.code
+    why = "the version guard keeps it off (above)" if code in GUARD_CODES else v.decision.reason
+    return f"standing down ({code}): {why}"
+
+
+# --------------------------------------------------------------- the command
 def run(args: argparse.Namespace) -> int:
-    t0 = time.monotonic()
-    rep = diagnose(args.tp, args.step_ms, args.rounds)
-    width = max(len(k) for k, _ in rep.lines)
-    print(f"hicache-async-ack doctor ({time.monotonic() - t0:.1f} s)")
-    for k, v in rep.lines:
-        print(f"  {k.ljust(width)}  {v}")
-    if rep.blockers:
-        print("verdict: plugin INACTIVE - SGLang would run the blocking path:")
-        for b in rep.blockers:
-            print(f"  - {b}")
-        return 1
-    line = "verdict: plugin ACTIVE - SGLang's loader applies it in every process; live: "
-    line += ", ".join(rep.live)
-    if rep.down:
-        line += f"; standing down: {'; '.join(rep.down)}"
-    print(line)
-    return 0
+    rep = diagnose(args.launch, args.verbose)
+    print("\n".join(rep.lines), flush=True)
+    rounds = DEFAULT_ROUNDS if args.rounds is None else args.rounds
+    if (args.measure or args.rounds) and rep.code != Exit.NO_SGLANG:  # asked for: informational
+        if rounds == 0:
+            print("  gloo all_reduce: not measured (--rounds 0)")
+        else:
+            print("\n".join(wrap(
+                f"measuring (informational): {rounds} blocking MIN all_reduces of "
+                f"{TENSOR_LEN} int64 over gloo between {args.tp} local processes on "
+                "127.0.0.1, what the ack counts cost each step on SGLang's blocking path",
+                "", "  ")), flush=True)  # fmt: skip
+            print("\n".join(measure(args.tp, rounds, args.step_ms)))
+    print("\n".join(rep.verdict()))
+    return int(rep.code)
 
 
-SUMMARY = "check the plugin would be active here; measure this host's gloo latency"
-DESCRIPTION = (
-    "Report versions, SGLang support, entry point, SGLANG_PLUGINS and the plugin's env "
-    "settings, and measure the N-rank gloo all_reduce latency (--tp ranks; --step-ms for "
-    "the predicted penalty). Exits non-zero when the plugin would not be active."
+SUMMARY = "would the ack sync pipeline here, on this launch (-- <launch_server arguments>)?"
+DESCRIPTION = textwrap.fill(
+    "Judge this node: the interpreter's SGLang, the plugin's settings, its entry point, "
+    "SGLANG_PLUGINS and the version guard; with `-- <launch_server arguments>`, judge that "
+    "launch too, each sync by the plugin's own decision code. The exit status is the ack "
+    "sync's (below); the prefetch votes and the decode offload sync are reported per line. "
+    "--measure times the gloo all_reduce the blocking path runs (--tp ranks).",
+    79,
 )
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = subcommand(sub, "doctor", SUMMARY, DESCRIPTION)
+    p = subcommand(sub, "doctor", SUMMARY, DESCRIPTION, epilog=exit_table(),
+                   usage="%(prog)s [options] [-- <launch_server arguments>]",
+                   formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also each fingerprinted upstream method against the recorded ones",
+    )
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="time the gloo all_reduce of the blocking path (--tp local ranks)",
+    )
     p.add_argument(
         "--rounds",
         type=int_in("--rounds", 0),
-        default=DEFAULT_ROUNDS,
-        help=f"all_reduces to time (default {DEFAULT_ROUNDS}; 0 skips)",
+        default=None,
+        help=f"all_reduces to time (implies --measure; default {DEFAULT_ROUNDS})",
     )
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, launch=None)
     return p
