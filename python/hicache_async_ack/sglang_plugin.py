@@ -27,6 +27,7 @@ from .features.ack_counts import TAG, AckCountsState
 from .features.decode_offload import OffloadSyncState
 from .features.prefetch_votes import PrefetchVoteState
 from .features.vote_landing import Landing, Pins
+from .features.vote_starts import Remainder, Starts
 from .guard import CACHE_CLASS, Judged, Verdict, check_installed
 from .kit.collectives import Collectives, TorchHandle
 from .kit.environment import Environment, EventSink, environment, use_environment
@@ -174,5 +175,6 @@ def state_of(obj: Any, sync: SyncName) -> Optional[FeatureState]:
 
 
 __all__ = ["AckCountsState", "Collectives", "Environment", "EventSink", "Landing",
-    "OffloadSyncState", "Pins", "PrefetchVoteState", "TorchHandle", "environment", "hooked_for",
-    "init_cache", "is_hooked", "register", "state_of", "use_environment"]  # fmt: skip
+    "OffloadSyncState", "Pins", "PrefetchVoteState", "Remainder", "Starts", "TorchHandle",
+    "environment", "hooked_for", "init_cache", "is_hooked", "register", "state_of",
+    "use_environment"]  # fmt: skip

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import pytest
 
+from hicache_async_ack import __version__
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR, PLUGINS_VAR
+from hicache_async_ack.protocol import PROTOCOL_VERSION
 
 from support.checks import assert_symmetric_and_complete
 from support.gloo_ranks import run_fresh, scenario_job
@@ -92,6 +94,9 @@ def test_other_protocol_from_step_20_stops_before_popping_its_reduce(runs):
         r = per["other_protocol"]
         err = r.get("error", "")
         assert "protocol version differs" in err, (rank, err)
+        # the error names this node's release and protocol, and what each release speaks
+        assert f"hicache-async-ack {__version__}, protocol {PROTOCOL_VERSION}" in err, err
+        assert "protocols by release: 1, 2, 3, 4: hicache-async-ack 0.1.0" in err, err
         assert r["steps_run"] == 21, (rank, r["steps_run"])
         assert _popped_from_step(r, 21) == []
         assert sum(len(post) for _, post in r["pops"]) > 0  # pipelined until then

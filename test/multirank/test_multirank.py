@@ -8,9 +8,15 @@ from __future__ import annotations
 import pytest
 
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR
+from hicache_async_ack_lab.testing.drift import runs_here
 
 from support.checks import assert_lagged_equal, assert_symmetric_and_complete
 from support.gloo_ranks import run_scenarios
+
+# With a storage backend the ack counts pipeline only where the prefetch votes judge the
+# walk (docs/design.md, "The off switch is stock's storage path"): a release without them
+# keeps SGLang's storage path, and "pipelined_storage" runs it there.
+STORAGE_PIPELINES = "prefetch_votes" in runs_here()
 
 OFF = {ENABLE_VAR: "0"}
 FLUSHES = dict(events=["write_back_flush"], event_p=0.1)  # writing_check(write_back=True)
@@ -56,7 +62,8 @@ def ranks(request):
 def test_symmetric_pops_nothing_unfinished_nothing_left(ranks, name):
     world, results = ranks
     r0 = assert_symmetric_and_complete(results, name)
-    assert r0["pipelined"] is name.startswith("pipelined")
+    expected = name.startswith("pipelined") and (STORAGE_PIPELINES or "storage" not in name)
+    assert r0["pipelined"] is expected
     popped = sum(len(pre) + len(post) for pre, post in r0["pops"])
     assert popped >= r0["counts"]["enqueued"]  # acks, plus storage entries
 
@@ -73,7 +80,11 @@ def test_symmetric_pops_nothing_unfinished_nothing_left(ranks, name):
 )
 def test_pipelined_pops_what_blocking_popped_k_steps_earlier(ranks, pipelined, blocking, k):
     _, results = ranks
-    assert_lagged_equal(results[0][pipelined]["pops"], results[0][blocking]["pops"], k)
+    mine, stock = results[0][pipelined]["pops"], results[0][blocking]["pops"]
+    if "storage" in pipelined and not STORAGE_PIPELINES:  # both on SGLang's storage path
+        assert any(post for _, post in stock) and mine == stock
+        return
+    assert_lagged_equal(mine, stock, k)
 
 
 @pytest.mark.parametrize("name", ["pipelined_flush", "blocking_flush"])

@@ -53,7 +53,7 @@ class Scheduler:
 
 
 def starts_with_context():
-    from hicache_async_ack.features.vote_starts import Starts
+    from hicache_async_ack.sglang_plugin import Starts
 
     events: list[tuple[str, dict]] = []
     starts = Starts(lambda kind, **f: events.append((kind, f)))
@@ -61,7 +61,7 @@ def starts_with_context():
 
 
 def remainder(tokens, anchor="n1"):
-    from hicache_async_ack.features.vote_starts import Remainder
+    from hicache_async_ack.sglang_plugin import Remainder
 
     return Remainder(anchor, tokens, None, None)
 

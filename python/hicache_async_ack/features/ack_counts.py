@@ -38,18 +38,26 @@ from ..names import (
 )
 from ..protocol.depth import AutoDepth
 from ..protocol.reduce import Consumed
-from ..protocol.stamp import STORAGE_FLAG
+from ..protocol.stamp import PROTOCOL_VERSION, STORAGE_FLAG
+from ..protocol.votes import VOTES_PROTOCOL
+from ..wire import protocol_hint
 
 logger = logging.getLogger(LOGGER_NAME)
 
 REQUIRED_CACHE_ATTRS = ("cache_controller", "linker", "host_memory_mode", "pp_size", "tp_group",
                         "tp_world_size", "attn_cp_group", "attn_tp_group", "enable_storage",
                         "tree_core")  # fmt: skip
-TAG = f"hicache-async-ack {__version__}"
+TAG = f"hicache-async-ack {__version__}, protocol {PROTOCOL_VERSION}"
 MISMATCH_HINTS = {
     "depth": f"Set {DEPTH_VAR} identically on every node of the TP group.",
     "auto": f"Set {DEPTH_VAR} identically on every node of the TP group.",
-    "protocol": "Run the same version of hicache-async-ack on every node.",
+    "protocol": protocol_hint(),
+    # a peer whose ack counts keep SGLang's storage path greets with the votes' exchange
+    f"protocol {VOTES_PROTOCOL}": (
+        "a peer's ack counts keep SGLang's storage path and its prefetch votes ran their own "
+        f"first exchange: {PREFETCH_VOTES_VAR} is off there (or the votes do not run on its "
+        "SGLang) while it is on here. Set it identically on every node."
+    ),
     "stock": (
         "that rank does not pipeline: hicache-async-ack is not installed or not loaded "
         f"there (e.g. {PLUGINS_VAR} excludes it), {ENABLE_VAR}=0 is set there, or its cache "

@@ -24,6 +24,7 @@ from ..kit.hooks import Fn
 from ..kit.owner import OwnerState, Pops
 from ..names import DECODE_OFFLOAD, OFFLOAD, OFFLOAD_QUEUES
 from ..protocol.stamp import OFFLOAD_CODE
+from ..wire import protocol_hint
 
 STOCK_HINT = (
     "that rank runs SGLang's blocking offload sync: give every node of the TP group "
@@ -64,7 +65,7 @@ class OffloadSyncState(OwnerState):
                 env.collectives.async_min(manager.tp_group),
                 1,
                 title=self.sync.title,
-                hints={"stock": STOCK_HINT, "protocol": STOCK_HINT},
+                hints={"stock": STOCK_HINT, "protocol": protocol_hint()},
                 clock=env.clock,
                 errors=(OffloadSyncError, OffloadSyncMismatch),
             )

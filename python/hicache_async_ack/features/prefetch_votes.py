@@ -36,6 +36,7 @@ from ..kit.hooks import unhooked
 from ..kit.owner import Carrier
 from ..names import ACK, BEST_EFFORT, LOGGER_NAME, PREFETCH_VOTES, STOP_POLICIES, TIMEOUT, VOTES
 from ..protocol.stamp import (
+    PROTOCOL_VERSION,
     READ_ONCE_FLAG,
     VOTES_FLAG,
     VOTES_SETTING_FLAG,
@@ -45,6 +46,7 @@ from ..protocol.stamp import (
     stamps_differ,
 )
 from ..protocol.votes import VOTE_SLOTS, VOTES_PROTOCOL, Ballot, Exchange, VoteBook
+from ..wire import protocol_hint
 from . import ack_counts
 from .vote_landing import PREDICATE, Landing, operation_key
 from .vote_starts import READ_ONCE, Remainder, Start, Starts
@@ -60,9 +62,12 @@ FLAGS = {
     READ_ONCE_FLAG: READ_ONCE_VAR,
 }
 MISMATCH_HINTS = {
-    "protocol": (
-        "Run the same hicache-async-ack version, with the same "
-        f"{PREFETCH_VOTES_VAR}, on every node of the TP group."
+    "protocol": f"{protocol_hint()} Set {PREFETCH_VOTES_VAR} identically on every node.",
+    # a peer whose ack counts pipeline (the votes on there) greets with the ack sync's
+    f"protocol {PROTOCOL_VERSION}": (
+        "a peer's ack counts pipeline and carry the prefetch votes while this rank's keep "
+        f"SGLang's storage path: {PREFETCH_VOTES_VAR} is on there and off here (or the votes "
+        "do not run on this SGLang). Set it identically on every node."
     ),
     "stock": (
         "that rank runs SGLang's blocking path: give every node of the TP group the same "

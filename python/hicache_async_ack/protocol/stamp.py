@@ -98,7 +98,9 @@ def stamps_differ(x: int, lo_x: int, hi_x: int) -> bool:
 
 def describe_mismatch(mine: Stamp, lo: Stamp, hi: Stamp, hints: Mapping[str, str]) -> str:
     """Why the stamps differ, for the operator: the most significant field that
-    differs between min and max, this rank's value, and what to set."""
+    differs between min and max, this rank's value, and what to set. ``hints["protocol
+    N"]``, where given, says what a peer stamping protocol N means (another exchange of
+    this plugin's, not another release)."""
     if lo.protocol == 0:
         raw = lo.pack()  # what the peer sent (unpack and pack are exact below 2**63)
         if raw >= STOCK_LIMIT:  # [2**42, 2**58): the in-tree module's depth << 42 | digest
@@ -115,6 +117,9 @@ def describe_mismatch(mine: Stamp, lo: Stamp, hi: Stamp, hints: Mapping[str, str
         )
     for name in Stamp.AGREED:
         a, b, me = getattr(lo, name), getattr(hi, name), getattr(mine, name)
+        peer = a if a != me else b
+        if name == "protocol" and a != b and f"protocol {peer}" in hints:
+            return f"{hints[f'protocol {peer}']} (a peer stamped protocol {peer}, this rank {me})"
         if a != b:
             what = {
                 "protocol": "the pipelined ack-sync protocol version",

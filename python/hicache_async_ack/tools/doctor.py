@@ -33,7 +33,6 @@ from ..env import (
     plugin_whitelisted,
 )
 from ..guard import Judged, Verdict, check_installed
-from ..metrics import FAMILIES, PATH_INFO
 from ..names import ACK, ACK_COUNTS, BY_NAME, SYNC_NAMES, SyncName
 from ..protocol import PROTOCOL_VERSION
 from .exits import Exit, exit_table
@@ -110,6 +109,10 @@ class Report:
 
 
 def see_it_working(ack: Optional[SyncVerdict], live: bool) -> list[str]:
+    # imported here: metrics stays unimported (nothing created) where metrics are off, and
+    # the rank spawner a test imports from tools shares this package
+    from ..metrics import FAMILIES, PATH_INFO
+
     line = ack.line if ack is not None and ack.live else f"{ACK_COUNTS.title}: pipelined ..."
     gauge = next(f[2] for f in FAMILIES[ACK_COUNTS.metrics_key] if f[0] == "pipelined")
     when = "see it working" if live else "once fixed, see it working"
