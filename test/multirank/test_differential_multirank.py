@@ -1,18 +1,20 @@
-"""Stock SGLang against the plugin over real gloo (TP=2, SGLang's real
-UnifiedRadixCache on the whole prefetch lifecycle of
-hicache_async_ack_lab.sim.lifecycle, driven as the scheduler drives it; the
-plugin reached only through load_plugins()).
+"""Stock SGLang against the plugin over real gloo (TP=2, some random scenarios at 3
+or 4), SGLang 0.5.23's real UnifiedRadixCache driven through its own scheduling
+code (Scheduler._add_request_to_queue / _prefetch_kvcache, _process_hicache_events
+and the storage retries, calc_priority, a real PrefillAdder, real Req objects) on
+the prefetch lifecycle of hicache_async_ack_lab.sim.lifecycle and the stand-in tree
+core of sim.host_tree; the plugin reached only through load_plugins().
 
 * The contract's hard clauses (testing.diff_checks) hold in every scenario:
-  agreement, liveness (every deadline judged at a reach decided within depth
-  + 1 passes), resources (no work where stock's rule says no, collectives and
-  locks never more than stock's, pins one pass, budget and reads at most
-  depth + 1 passes longer, nothing left once idle).
-* Where the walk was not limited by what it admitted, every outcome is
-  stock's (admissions at most depth + 1 passes later); where it was, outcomes
-  move as a timing shift moves them and are counted.
-* Issue 43's findings keep stock's outcome; issue 47's hold under the
-  contract; each with its negative control where one exists.
+  agreement, liveness, resources (no work where stock's rule says no; collectives,
+  locks, L3 queries, reads and host allocations never more than stock's; pins one
+  pass; budget and reads at most depth + 1 passes longer; nothing left once idle)
+  and, with host matching, a request stock served from the host admitted with as
+  many cached tokens at most depth + 1 passes later.
+* Where the walk was not limited by what it admitted, every outcome is stock's.
+* Issue 43's findings keep stock's outcome; issue 47's hold under the contract;
+  issue 52's (items 2 and 3, read once and its wait bound) are marked xfail until
+  the runtime fix lands; each with its negative control where one exists.
 * A seed set of random scenarios (testing.diff_gen); ``hicache-async-ack-lab
   differential --scenarios 2000`` runs more.
 
@@ -24,22 +26,45 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 
 import pytest
 
-from hicache_async_ack_lab.testing import diff_checks, diff_compare, diff_gen
-from hicache_async_ack_lab.testing.diff_findings import FINDINGS, UNDER_LOAD, controlled
+from hicache_async_ack_lab.testing import diff_checks, diff_compare, diff_gen, diff_items
+from hicache_async_ack_lab.testing.diff_findings import (
+    FINDINGS,
+    READ_ONCE,
+    SHARED_PREFIX,
+    UNDER_LOAD,
+    VOTES_OFF_FINDINGS,
+    WAIT_BOUND,
+    controlled,
+)
+from hicache_async_ack_lab.testing.diff_records import depth_of
 
-SEED, RANDOM, CROWD_EVERY = 43, 120, 40
+SEED, RANDOM = 52, 30
 NEGATIVE = [s for s in FINDINGS + UNDER_LOAD if s["negative"]]
-BY_NAME = {s["name"]: s for s in FINDINGS + UNDER_LOAD}
+ISSUE_52 = SHARED_PREFIX + READ_ONCE + WAIT_BOUND + VOTES_OFF_FINDINGS
+BY_NAME = {s["name"]: s for s in FINDINGS + UNDER_LOAD + ISSUE_52}
+# Read once as issue 52 built it: a newcomer waits for the read in flight, then matches
+# the host and asks L3 only for the rest. Against the host-served clause: a rest under
+# the prefetch threshold is never read (fewer cached tokens than stock's, which read it
+# all), and a rest that is read starts only once the awaited read landed (admitted
+# more than depth + 1 passes after stock).
+READ_ONCE_SERVED = pytest.mark.xfail(
+    strict=True, reason="issue 52 read once: a newcomer that waited is admitted with fewer "
+    "cached tokens (a rest under the threshold) or later than depth + 1 after stock (its "
+    "rest read after the awaited one landed): the host-served clause")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def runs():
-    random = diff_gen.draw_scenarios(RANDOM, SEED, CROWD_EVERY)
-    specs = FINDINGS + UNDER_LOAD + [controlled(s) for s in NEGATIVE] + random
+    random = diff_gen.draw_scenarios(RANDOM, SEED)
+    specs = FINDINGS + UNDER_LOAD + [controlled(s) for s in NEGATIVE] + ISSUE_52 + random
+    t0 = time.monotonic()
     stock, plugin = diff_compare.run_arms(specs, timeout_s=1200.0)
+    print(f"differential: {len(specs)} scenarios ({RANDOM} random, seed {SEED}) in "
+          f"{time.monotonic() - t0:.0f} s")  # fmt: skip
     return {"specs": specs, "random": random, "stock": stock, "plugin": plugin}
 
 
@@ -153,25 +178,152 @@ def test_a_refused_admission_keeps_no_pin_past_its_pass(runs):
     assert "refused" in limited(runs, name)
 
 
-def test_random_scenarios_hold_the_contract_and_exercise_every_path(runs):
+# Issue 52 ---------------------------------------------------------------------------
+
+
+def newcomers(runs, spec) -> dict:
+    """Per newcomer stock served from the cache: (stock's, the plugin's) admission
+    as (pass, L3 tokens, cached prefix, host-loaded tokens), the plugin's None if
+    it never admitted it."""
+    s = diff_checks.admitted(arm(runs, "stock", spec["name"]))
+    p = diff_checks.admitted(arm(runs, "plugin", spec["name"]))
+    return {k: (v, p.get(k)) for k, v in s.items() if v[2] > 0 and json.loads(k)[0][0] == "B"}
+
+
+@pytest.mark.parametrize("spec", SHARED_PREFIX, ids=[s["name"] for s in SHARED_PREFIX])
+def test_a_shared_prefix_costs_no_more_than_stock(runs, spec):
+    """Item 2: A's read lands depth + 1 passes after stock's (a deadline cut, or the
+    ack sync's late pop of its completion); newcomers sharing its first 4 tokens
+    arrive in between. Stock matches those 4 on the host and asks L3 for nothing
+    more; the plugin must not ask more (before the fix: L3 queries 1 -> 2, host
+    pages 8 -> 14 with one newcomer, 1 -> 7 and 8 -> 44 with six; on a 16-page
+    pool five lose their allocation into storage retries), and each newcomer is
+    admitted with stock's cached tokens at most depth + 1 passes after stock."""
+    s, p = (diff_checks.spent(arm(runs, a, spec["name"])) for a in ("stock", "plugin"))
+    served = newcomers(runs, spec)
+    assert served, "stock served the newcomers from the host"
+    for what in diff_checks.SPENT:
+        assert p[what] <= s[what], (what, s, p)
+    most = depth_of(spec) + 1
+    for key, (a, b) in served.items():
+        assert b is not None and b[2] >= a[2] and b[0] - a[0] <= most, (key, a, b)
+    assert differences(runs, spec) == []
+
+
+@pytest.mark.parametrize("spec", READ_ONCE, ids=[s["name"] for s in READ_ONCE])
+def test_read_once_reads_a_shared_prefix_once(runs, spec):
+    """Read once: the newcomers arrive while A's read is in flight in stock too,
+    so stock reads the shared prefix again for each; read once waits for A's read
+    to land, then matches it on the host: fewer L3 keys than stock (fewer queries
+    where the rest is too short to ask for), and the resource clauses."""
+    s, p = (diff_checks.spent(arm(runs, a, spec["name"])) for a in ("stock", "plugin"))
+    assert p["keys_read"] < s["keys_read"], (s, p)
+    if spec["threshold"] > 2:  # the newcomers' 2 own tokens are not asked for
+        assert p["l3_queries"] < s["l3_queries"], (s, p)
+    assert diff_checks.overspent(spec, arm(runs, "stock", spec["name"]),
+                                 arm(runs, "plugin", spec["name"])) == []  # fmt: skip
+
+
+@READ_ONCE_SERVED
+@pytest.mark.parametrize("spec", READ_ONCE, ids=[s["name"] for s in READ_ONCE])
+def test_read_once_serves_a_newcomer_as_stock_does(runs, spec):
+    """The host-served clause under read once: each newcomer stock served from the
+    cache is admitted with at least stock's cached tokens, at most depth + 1 passes
+    after stock (every hard clause holds)."""
+    assert diff_checks.hard_violations(spec, runs["stock"], runs["plugin"]) == []
+
+
+# The bound: the waiting request's start runs again at most one pass after the read it
+# waited on left the plugin's run (landed, cut, aborted or failed); from there it is
+# admitted within its own read's script (at most 4 passes here), depth + 1 passes for
+# the decisions on it, and the passes its walk was blocked (full).
+OWN_READ = 4
+
+
+@pytest.mark.parametrize("spec", WAIT_BOUND, ids=[s["name"] for s in WAIT_BOUND])
+def test_a_request_waiting_on_a_read_is_served_within_the_bound(runs, spec):
+    name = spec["name"]
+    p = arm(runs, "plugin", name)
+    holds = [(k, f) for k, f in p["plugin_events"] if k in ("hold", "release")]
+    assert [k for k, _ in holds] == ["hold", "release"], holds
+    hold, release = holds[0][1], holds[1][1]
+    assert hold["why"] == "read_once" and hold["awaits"] == ["A", 0]
+    awaited = p["ops"]['["A", 0]'][0]
+    assert release["at"] <= awaited["released"] + 1, (release, awaited)
+    admitted = diff_checks.admitted(p)
+    assert '["B", 0]' in admitted, "B was served"
+    limits = spec.get("limits", {})
+    cutoff = {int(q): a for q, a in limits.get("cutoff", {}).items()}
+    arrived = next(r["arrive"] for r in spec["requests"] if r["rid"] == "B")
+    blocked = sum(1 for q in range(release["at"], p["last_pass"] + 1)
+                  if q in limits.get("full", ()) or cutoff.get(q, 1 << 30) <= arrived)  # fmt: skip
+    bound = release["at"] + OWN_READ + depth_of(spec) + 1 + blocked
+    assert admitted['["B", 0]'][0] <= bound, (admitted['["B", 0]'], bound)
+    s = arm(runs, "stock", name)
+    assert diff_checks.overspent(spec, s, p) == [] or diff_compare.limited_by(spec, s, p)
+
+
+@pytest.mark.parametrize("spec", VOTES_OFF_FINDINGS, ids=[s["name"] for s in VOTES_OFF_FINDINGS])
+def test_the_votes_off_are_stocks_storage_path(runs, spec):
+    """Item 3: SGLANG_ENABLE_HICACHE_ASYNC_PREFETCH_VOTES=0 keeps upstream's
+    per-request reduce in the walk; the ack sync must not pop the completions
+    depth passes late under it: collectives never above stock's, pass by pass
+    (before the fix: a reach more per pass for each completion popped late), and
+    no deadline judged on staler progress (before the fix, at depth 2, a request
+    stock keeps with 4 tokens is admitted with 0): outcomes exactly stock's."""
+    assert limited(runs, spec["name"]) == []
+    assert differences(runs, spec) == []
+
+
+def test_the_issue_52_findings_are_what_the_issue_says(runs):
+    """The scenarios reach the paths they name, whatever the plugin does: stock
+    serves the newcomers from the host with A's 4 tokens, reads the prefix again
+    when they arrive during A's read, and keeps r0's 4 tokens at depth 2."""
+    for spec in SHARED_PREFIX:
+        served = newcomers(runs, spec)
+        assert served and all(a[2] == 4 for a, _ in served.values()), served
+        assert diff_checks.spent(arm(runs, "stock", spec["name"]))["l3_queries"] == 1
+    for spec in READ_ONCE:
+        assert diff_checks.spent(arm(runs, "stock", spec["name"]))["l3_queries"] > 1
+    kept = diff_checks.admitted(arm(runs, "stock", "v_deadline_on_stale_progress"))
+    assert kept['["r0", 0]'][1] == 4
+
+
+# The random seed set --------------------------------------------------------------
+
+
+def test_random_scenarios_hold_the_contract(runs):
     random = runs["random"]
     assert len(random) == RANDOM
     bad = diff_compare.judge(random, runs["stock"], runs["plugin"])
     assert bad == [], diff_compare.replay_text(*bad[0])
+
+
+CORE_ITEMS = (
+    "host match (admitted with host tokens)", "shared prefix in flight at arrival",
+    "order lpm", "order dfs-weight", "order priority", "retraction from decode",
+    "abort prefetching", "abort running", "page size > 1", "failed query", "failed read",
+    "TP=3", "TP=4", "read once on", "votes off",
+)  # fmt: skip
+
+
+def test_random_scenarios_exercise_every_path(runs):
+    random = runs["random"]
     seen = diff_compare.coverage(random, runs["stock"], runs["plugin"])
-    for what in ("stop", "pin", "overflow reaches", "aborted", "end deadline", "probe",
-                 "limit batch_full", "limit token_budget", "limit refused",
-                 "limit declined_rate_limited", "retry"):  # fmt: skip
+    for what in ("stop", "pin", "aborted", "end deadline", "probe", "limit batch_full",
+                 "limit token_budget", "limit declined_rate_limited", "retry"):  # fmt: skip
         assert seen.get(what, 0) > 0, (what, seen)
+    items = diff_items.exercised(random, runs["stock"], runs["plugin"])
+    assert [i for i in CORE_ITEMS if items[i] == 0] == [], items
     # the PD decode transfer queue, evictions and partial allocations: the findings
     findings = diff_compare.coverage(FINDINGS + UNDER_LOAD, runs["stock"], runs["plugin"])
     for what in ("loaded_back", "evicted", "partial alloc", "inserted"):
         assert findings.get(what, 0) > 0, (what, findings)
     moves = diff_compare.outcome_moves(random, runs["stock"], runs["plugin"])
     assert moves["limited scenarios"] > 0 and moves["same"] > 0
-    exact = [s for s in random if not diff_compare.limited_by(
-        s, runs["stock"][0][s["name"]], runs["plugin"][0][s["name"]])]  # fmt: skip
-    assert len(exact) > RANDOM // 3  # most are compared exactly
+
+
+# Negative controls of the checks ------------------------------------------------------
 
 
 def test_the_comparison_sees_a_difference_in_one_request(runs):
@@ -187,22 +339,38 @@ def test_the_comparison_sees_a_difference_in_one_request(runs):
     assert any("rank 1: request" in d and "inserted" in d for d in found), found
 
 
+def later(r: dict) -> None:
+    """The plugin's admission of the finding's request, five passes later."""
+    at = next(i for i, e in enumerate(r["events"]) if e[2] == "admitted")
+    r["events"][at][0] += 5
+
+
 PAST = {"a prefetch started past the limiter": 1}
 
 
-@pytest.mark.parametrize("tamper, said", [
-    (lambda r: r["bypassed"].update(PAST), "past the limiter"),
-    (lambda r: r["plugin_events"].__setitem__(slice(None), [e for e in r["plugin_events"]
-                                                            if e[0] != "verdict"]), "no verdict"),
-    (lambda r: r["collectives"].__setitem__(0, 10 ** 6), "collectives by pass"),
-    (lambda r: r.update(host_locks=r["host_locks"] + 1), "host locks left"),
-    (lambda r: r["state"].update(pins=1), "still holds"),
+@pytest.mark.parametrize("name, tamper, said", [
+    ("f2_finish_after_deadline", lambda r: r["bypassed"].update(PAST), "past the limiter"),
+    ("f2_finish_after_deadline", lambda r: r["plugin_events"].__setitem__(
+        slice(None), [e for e in r["plugin_events"] if e[0] != "verdict"]), "no verdict"),
+    ("f2_finish_after_deadline", lambda r: r["collectives"].__setitem__(0, 10 ** 6),
+     "collectives by pass"),
+    ("f2_finish_after_deadline", lambda r: r.update(host_locks=r["host_locks"] + 1),
+     "host locks left"),
+    ("f2_finish_after_deadline", lambda r: r["state"].update(pins=1), "still holds"),
+    ("f2_finish_after_deadline", lambda r: r.update(l3_queries=r["l3_queries"] + 1),
+     "l3_queries: plugin 2 > stock 1"),
+    ("f2_finish_after_deadline", lambda r: r.update(reads=r["reads"] + 1), "reads: plugin"),
+    ("f4_stop_pages_pinned", lambda r: r["events"].append(
+        [9, ["z", 0], "alloc", [4, 4]]), "pages: plugin"),
+    ("f2_finish_after_deadline", later, "host-served"),
+    ("r1_in_flight_one_newcomer", lambda r: r.update(keys_read=10 ** 6), "keys_read"),
 ])  # fmt: skip
-def test_the_hard_checks_see_each_violation(runs, tamper, said):
-    """Negative controls of the hard checks: each clause, broken in the
-    plugin's record of one scenario, is named."""
-    spec = FINDINGS[3]
+def test_the_hard_checks_see_each_violation(runs, name, tamper, said):
+    """Negative controls of the hard checks: each clause, broken in the plugin's
+    record of one scenario (on every rank, so agreement holds), is named."""
+    spec = BY_NAME[name]
     plugin = copy.deepcopy(runs["plugin"])
-    tamper(plugin[0][spec["name"]])
+    for rank in (0, 1):
+        tamper(plugin[rank][name])
     found = diff_checks.hard_violations(spec, runs["stock"], plugin)
     assert any(said in d for d in found), found

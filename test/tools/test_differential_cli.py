@@ -1,10 +1,12 @@
 """``hicache-async-ack-lab differential``: the command line around the
 differential runs (test_differential_multirank.py tests the comparison).
 
-A replayed finding runs both arms over real gloo and says 0 differ; the same
-finding with its negative control says 1 differs, shows it as a scenario to
-replay and writes it to --first, which replays as it was (so the CLI does not
-print a count it did not measure). Bad input names what is accepted."""
+A replayed finding runs both arms over real gloo and says 0 differ, printing
+how often each path of issue 52's list was exercised (and, in a run long enough,
+warning on any never exercised); the same finding with its negative control says
+1 differs, shows it as a scenario to replay and writes it to --first, which
+replays as it was (so the CLI does not print a count it did not measure). Bad
+input names what is accepted."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import json
 import pytest
 
 from hicache_async_ack_lab import cli
+from hicache_async_ack_lab.testing import diff_cli
 from hicache_async_ack_lab.testing.diff_findings import FINDINGS, controlled
 
 FINDING = next(s for s in FINDINGS if s["name"] == "f2_finish_after_deadline")
@@ -24,14 +27,19 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     return rc, out, err
 
 
-def test_a_replayed_finding_matches_stock(tmp_path, capsys):
+def test_a_replayed_finding_matches_stock(tmp_path, capsys, monkeypatch):
     path = tmp_path / "finding.json"
     path.write_text(json.dumps(FINDING))
+    monkeypatch.setattr(diff_cli, "WARN_FROM", 1)  # a run this short warns too
     rc, out, _ = run_cli(capsys, "--replay", str(path))
     assert rc == 0, out
     assert "1 scenarios, 0 differ from stock (0 on a hard clause" in out, out
     assert "stop 1" in out  # what it exercised is printed
     assert "resources (rank 0), stock / plugin: L3 queries 1 / 1, reads 1 / 1" in out, out
+    assert "issue 52's paths: host match (admitted with host tokens) 1," in out, out
+    assert "order fcfs 1," in out and "TP=2 1," in out, out
+    warning = next(line for line in out.splitlines() if "WARNING: never exercised" in line)
+    assert "TP=4" in warning and "TP=2" not in warning, warning
 
 
 def test_a_difference_is_shown_as_a_scenario_to_replay(tmp_path, capsys):

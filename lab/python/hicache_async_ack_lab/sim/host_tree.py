@@ -60,6 +60,14 @@ class TreeNode:
         return self.host is not None or self.written
 
 
+class Tally(dict):
+    """Tokens per owner, in first-seen order: one record per owner and eviction
+    (however often matches split its nodes, which differs between runs)."""
+
+    def add(self, key: Any, n: int) -> None:
+        self[key] = self.get(key, 0) + n
+
+
 class HostTree(SimTreeCore):
     """The tree core's answers (module docstring)."""
 
@@ -302,7 +310,7 @@ class HostTree(SimTreeCore):
     def evict_device(self, num_tokens: int) -> int:
         """Device pressure: unlocked device leaves go, oldest first; a backed node
         stays on the host, an unbacked one leaves the tree."""
-        freed = 0
+        freed, gone = 0, Tally()
         while freed < num_tokens:
             node = next((n for n in sorted(self.nodes.values(), key=self.age)
                          if n.id != ROOT and n.device and not n.locks
@@ -311,9 +319,11 @@ class HostTree(SimTreeCore):
                 break
             node.device = False
             freed += len(node.tokens)
-            self.record.add(node.key, "device_evicted", len(node.tokens), node.backed)
+            gone.add((node.key, node.backed), len(node.tokens))
             if not node.backed:
                 self._remove(node)
+        for (key, backed), n in gone.items():
+            self.record.add(key, "device_evicted", n, backed)
         return freed
 
     @staticmethod
@@ -335,7 +345,7 @@ class HostTree(SimTreeCore):
         return node.origin == "cold" or self.exposed
 
     def evict(self, num_tokens: int, pool) -> int:
-        freed = 0
+        freed, gone = 0, Tally()
         while freed < num_tokens:
             node = next((n for n in sorted(self.nodes.values(), key=self.age)
                          if self.evictable(n)), None)  # fmt: skip
@@ -344,7 +354,9 @@ class HostTree(SimTreeCore):
             self._remove(node)
             pool.free(node.host)
             freed += len(node.host)
-            self.record.add(node.key, "evicted", len(node.host))
+            gone.add(node.key, len(node.host))
+        for key, n in gone.items():
+            self.record.add(key, "evicted", n)
         return freed
 
     def reset(self) -> None:

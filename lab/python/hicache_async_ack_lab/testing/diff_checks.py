@@ -16,9 +16,15 @@ was limited by.
   kept its budget and its read at most depth + 1 passes longer than stock's
   (where it was, liveness bounds each decision from the plugin's own reach);
   and the plugin's own state empty once the run is idle (nothing grows with
-  the run). Run totals (L3 queries, reads, allocations) are equal where the
-  walk was not limited (an exact outcome); where it was, they move with the
-  timing like the outcomes and are reported, both directions (:func:`totals`).
+  the run). With host matching (issue 52), per scenario where the walk was not
+  limited: L3 queries, reads and host allocations (and their pages) never above
+  stock's; read once on, the L3 keys read never above stock's either
+  (:func:`spending`; where it was limited they move with the timing and are
+  counted, :func:`overspent`).
+* **Host-served** (issue 52): where the walk was not limited, a request stock
+  admitted with cached tokens (from the host, or their device copy another
+  request loaded back) is admitted with at least as many cached tokens, at most
+  depth + 1 passes after stock (:func:`host_served`).
 """
 
 from __future__ import annotations
@@ -26,26 +32,35 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hicache_async_ack_lab.testing.diff_records import depth_of, ends, lifecycle, limited_by
+from hicache_async_ack_lab.testing.diff_records import (
+    depth_of,
+    ends,
+    lifecycle,
+    limited_by,
+    passes_of,
+    ranks_of,
+    read_once,
+)
 
 
 def agreement(spec: dict, arms: dict) -> list[str]:
     name, out = spec["name"], []
     expected = spec.get("expect_error")
     for arm, ranks in arms.items():
-        for rank, res in enumerate(ranks):
-            err = res[name].get("error")
+        for rank, res in enumerate(ranks_of(ranks, name)):
+            err = res.get("error")
             if err and not (expected and arm == "plugin" and expected in err):
                 out.append(f"agreement: {arm} rank {rank} failed at pass "
-                           f"{res[name]['error_pass']}: {err}")  # fmt: skip
+                           f"{res['error_pass']}: {err}")  # fmt: skip
             if expected and arm == "plugin" and not err:
                 out.append(f"agreement: plugin rank {rank} did not stop with {expected!r}")
     if out or expected:
         return out
     for arm, ranks in arms.items():
-        first = lifecycle(ranks[0][name])
-        for rank in range(1, len(ranks)):
-            if lifecycle(ranks[rank][name]) != first:
+        records = ranks_of(ranks, name)
+        first = lifecycle(records[0])
+        for rank in range(1, len(records)):
+            if lifecycle(records[rank]) != first:
                 out.append(f"agreement: {arm} rank {rank}'s lifecycle differs from rank 0's")
     return out
 
@@ -131,15 +146,21 @@ def lags(spec: dict, s: dict, p: dict, rank: int) -> list[str]:
     return out
 
 
+def leaked(result: dict) -> int:
+    """Host locks left at the end that no ongoing prefetch holds as its anchor."""
+    return result["host_locks"] - result.get("anchored", 0)
+
+
 def resources(spec: dict, s: dict, p: dict, rank: int) -> list[str]:
     out = [
         f"resources: rank {rank}: {arm}: {what} ({n})"
         for arm, r in (("plugin", p), ("stock", s))
         for what, n in r["bypassed"].items()
     ]
-    if p["host_locks"] > s["host_locks"]:
-        out.append(f"resources: rank {rank}: host locks left: plugin {p['host_locks']} > "
-                   f"stock {s['host_locks']}")  # fmt: skip
+    left_s, left_p = leaked(s), leaked(p)
+    if left_p > left_s:
+        out.append(f"resources: rank {rank}: host locks left: plugin {left_p} > "
+                   f"stock {left_s}")  # fmt: skip
     # the plugin's one-time first exchange (the group agreeing on the protocol) aside
     cs, cp = cumulative(s["collectives"]), [c - 1 for c in cumulative(p["collectives"])]
     over = [i for i in range(min(len(cs), len(cp))) if cp[i] > cs[i]]
@@ -160,18 +181,84 @@ def resources(spec: dict, s: dict, p: dict, rank: int) -> list[str]:
     return out
 
 
+SPENT = ("l3_queries", "reads", "allocations", "pages")
+
+
+def spent(result: dict) -> dict[str, int]:
+    """What a run asked of L3 and the host pool: L3 queries, reads (and the keys
+    they read), host allocations and their pages."""
+    n, pages = allocations(result)
+    return {"l3_queries": result["l3_queries"], "reads": result["reads"],
+            "keys_read": result.get("keys_read", 0), "allocations": n, "pages": pages}  # fmt: skip
+
+
+def spending(spec: dict, s: dict, p: dict, rank: int) -> list[str]:
+    """Where the walk was not limited: L3 queries, reads, host allocations and
+    pages never above stock's in the scenario (read once: the keys read too).
+    Where it was, they move with the timing (:func:`overspent` counts them): a
+    decision depth + 1 passes later keeps a batch full longer, and a request the
+    walk reaches later may have its hit answered in between (a read stock never
+    started, whose operation it had already ended)."""
+    if limited_by(spec, s, p):
+        return []
+    return overspent(spec, s, p, rank)
+
+
+def overspent(spec: dict, s: dict, p: dict, rank: int = 0) -> list[str]:
+    a, b = spent(s), spent(p)
+    kinds = SPENT + (("keys_read",) if read_once(spec) else ())
+    return [f"resources: rank {rank}: {k}: plugin {b[k]} > stock {a[k]}" for k in kinds
+            if b[k] > a[k]]  # fmt: skip
+
+
+def admitted(result: dict) -> dict:
+    """Per request: (pass, L3 tokens, cached prefix, host-loaded tokens) of its admission."""
+    return {json.dumps(k): (at, *d, 0, 0)[:4] for at, k, kind, d in result["events"]
+            if kind == "admitted"}  # fmt: skip
+
+
+def host_served(spec: dict, s: dict, p: dict, rank: int) -> list[str]:
+    """Where the walk was not limited: every request stock admitted with cached
+    tokens (on the host, or already loaded back to the device by another request:
+    the tree's device copies are of host pages) is admitted with at least stock's
+    cached tokens, at most depth + 1 passes later (from its arrival in each run)."""
+    if limited_by(spec, s, p):
+        return []
+    most = depth_of(spec) + 1
+    a_s, a_p = admitted(s), admitted(p)
+    arr_s, arr_p = passes_of(s, "arrived"), passes_of(p, "arrived")
+    out = []
+    for key, (at, _, cached, host) in sorted(a_s.items()):
+        if cached <= 0:
+            continue
+        got = a_p.get(key)
+        if got is None:
+            out.append(f"host-served: rank {rank}: {key} served from the host by stock "
+                       f"(pass {at}, {cached} cached) was not admitted")  # fmt: skip
+            continue
+        late = (got[0] - arr_p.get(key, 0)) - (at - arr_s.get(key, 0))
+        if got[2] < cached or late > most:
+            out.append(f"host-served: rank {rank}: {key}: stock admitted it at pass {at} "
+                       f"with {cached} cached ({host} loaded from the host), the plugin at pass "
+                       f"{got[0]} with {got[2]} (at most {most} passes later, at least as "
+                       "many)")  # fmt: skip
+    return out
+
+
 def hard_violations(spec: dict, stock: list, plugin: list) -> list[str]:
     """Every hard clause that fails for ``spec`` ([] if none)."""
     name = spec["name"]
     found = agreement(spec, {"stock": stock, "plugin": plugin})
     if found or spec.get("expect_error"):
         return found
-    if not all(r[name]["plugin"] for r in plugin) or any(r[name]["plugin"] for r in stock):
+    s_ranks, p_ranks = ranks_of(stock, name), ranks_of(plugin, name)
+    if not all(r["plugin"] for r in p_ranks) or any(r["plugin"] for r in s_ranks):
         return ["the arms did not run as labelled (plugin loaded where it should not be)"]
-    for rank in range(len(stock)):
-        s, p = stock[rank][name], plugin[rank][name]
+    for rank, (s, p) in enumerate(zip(s_ranks, p_ranks)):
         found += liveness(spec, p, rank)
         found += resources(spec, s, p, rank)
+        found += spending(spec, s, p, rank)
+        found += host_served(spec, s, p, rank)
     return found
 
 
@@ -179,18 +266,31 @@ def totals(specs: list, stock: list, plugin: list) -> dict[str, Any]:
     """Rank 0's resource totals over ``specs``, per arm."""
     out: dict[str, Any] = {}
     for arm, ranks in (("stock", stock), ("plugin", plugin)):
-        t = {"L3 queries": 0, "reads": 0, "allocations": 0, "pages": 0, "collectives": 0,
-             "locks left": 0}  # fmt: skip
+        t = {"L3 queries": 0, "reads": 0, "keys read": 0, "allocations": 0, "pages": 0,
+             "collectives": 0, "locks left": 0}  # fmt: skip
         for spec in specs:
             r = ranks[0][spec["name"]]
             if "error" in r:
                 continue
-            n, pages = allocations(r)
-            t["L3 queries"] += r["l3_queries"]
-            t["reads"] += r["reads"]
-            t["allocations"] += n
-            t["pages"] += pages
+            used = spent(r)
+            t["L3 queries"] += used["l3_queries"]
+            t["reads"] += used["reads"]
+            t["keys read"] += used["keys_read"]
+            t["allocations"] += used["allocations"]
+            t["pages"] += used["pages"]
             t["collectives"] += sum(r["collectives"])
             t["locks left"] += r["host_locks"]
         out[arm] = t
     return out
+
+
+def limited_overspent(specs: list, stock: list, plugin: list) -> int:
+    """Scenarios whose walk was limited and whose plugin run spent more than
+    stock's on some count (rank 0): the timing's moves, reported, not failed."""
+    n = 0
+    for spec in specs:
+        s, p = stock[0][spec["name"]], plugin[0][spec["name"]]
+        if "error" in s or "error" in p:
+            continue
+        n += bool(limited_by(spec, s, p) and overspent(spec, s, p))
+    return n

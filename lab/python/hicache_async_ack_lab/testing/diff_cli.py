@@ -1,9 +1,11 @@
 """``hicache-async-ack-lab differential``: stock SGLang against the plugin on N
-random prefetch-lifecycle scenarios (or one to replay), over real gloo at TP=2,
-driven as the scheduler drives it (:mod:`.diff_compare`); prints how many fail
-(a hard clause anywhere, an outcome where the walk was not limited), the
-outcomes that moved where it was, L3 queries, reads and locks plugin vs stock,
-and the first failure as a scenario to replay."""
+random prefetch-lifecycle scenarios (or one to replay), over real gloo at TP=2
+(some at 3 or 4), driven through SGLang's own scheduling code
+(:mod:`.diff_compare`); prints how many fail (a hard clause anywhere, an outcome
+where the walk was not limited), the outcomes that moved where it was, L3
+queries, reads and locks plugin vs stock, how often each path of issue 52's list
+was exercised (a warning for any at 0 in a run of 200 or more), and the first
+failure as a scenario to replay."""
 
 from __future__ import annotations
 
@@ -14,16 +16,21 @@ from pathlib import Path
 
 from hicache_async_ack_lab.cli_support import ToolError
 
-SUMMARY = "stock vs the plugin on random prefetch scenarios, driven as the scheduler does"
+SUMMARY = "stock vs the plugin on random prefetch scenarios, through SGLang's scheduling code"
 DESCRIPTION = (
-    SUMMARY + ". Each scenario (arrivals, slow hit answers, read progress, deadlines, "
-    "aborts, requeues, storage retries, shared prefixes, walks limited by arrival or by "
-    "what the batch admitted, PD decode probes and transfer queue, more than 256 ongoing, "
-    "depth 1 and 2, every stop policy and host memory mode) runs on SGLang's real "
-    "UnifiedRadixCache at TP=2 over real gloo, once with the plugin and once without. "
-    "Every scenario must hold the contract's hard clauses (agreement, liveness, "
-    "resources); where the walk was not limited, every outcome must be stock's."
+    SUMMARY + ". Each scenario (arrivals matched on the device and host trees, shared "
+    "prefixes read while others wait, slow and failing hit answers and reads, deadlines, "
+    "the queue orders fcfs, lpm, dfs-weight and priority, aborts, retractions, requeues, "
+    "storage retries, device pressure, flushes, storage detach and attach, walks limited "
+    "by arrival or by what the batch admitted, PD decode probes and transfer queue, more "
+    "than 256 ongoing, page sizes 1 to 4 and a sidecar pool, depth 1 to 8 and auto, the "
+    "votes and read once on and off, every stop policy and host memory mode) runs on "
+    "SGLang's real UnifiedRadixCache and Scheduler methods at TP=2, 3 or 4 over real gloo, "
+    "once with the plugin and once without. Every scenario must hold the contract's hard "
+    "clauses (agreement, liveness, resources, host-served); where the walk was not "
+    "limited, every outcome must be stock's (read once aside)."
 )
+WARN_FROM = 200  # scenarios: a run this long that never exercised an item says so
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -35,7 +42,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         metavar="N",
         help="how many random scenarios (default 200)",
     )
-    p.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="the scenarios' seed (default 0)")
     p.add_argument(
         "--crowd-every",
         type=int,
@@ -89,7 +96,7 @@ def load(path: str) -> list[dict]:
     return specs
 
 
-HARD = ("agreement", "liveness", "resources")
+HARD = ("agreement", "liveness", "resources", "host-served")
 
 
 def add(into: dict, more: dict) -> None:
@@ -98,7 +105,7 @@ def add(into: dict, more: dict) -> None:
 
 
 def run(args) -> int:
-    from hicache_async_ack_lab.testing import diff_compare, diff_gen
+    from hicache_async_ack_lab.testing import diff_compare, diff_gen, diff_items
 
     if args.replay:
         specs = load(args.replay)
@@ -111,14 +118,18 @@ def run(args) -> int:
     t0 = time.monotonic()
     bad: list = []
     seen: dict = {}
+    items: dict = {}
     moves: dict = {}
+    overspent = 0
     totals: dict = {"stock": {}, "plugin": {}}
     for at in range(0, len(specs), args.batch):
         part = specs[at : at + args.batch]
         stock, plugin = diff_compare.run_arms(part, timeout_s=120.0 + 3.0 * len(part))
         bad += diff_compare.judge(part, stock, plugin)
         add(seen, diff_compare.coverage(part, stock, plugin))
+        add(items, diff_items.exercised(part, stock, plugin))
         add(moves, diff_compare.outcome_moves(part, stock, plugin))
+        overspent += diff_checks.limited_overspent(part, stock, plugin)
         for arm, t in diff_checks.totals(part, stock, plugin).items():
             add(totals[arm], t)
         done = at + len(part)
@@ -129,8 +140,15 @@ def run(args) -> int:
     print(f"differential: {len(specs)} scenarios, {len(bad)} differ from stock "
           f"({hard} on a hard clause; seed {args.seed}, {took:.0f} s)")  # fmt: skip
     print("differential: exercised: " + ", ".join(f"{k} {v}" for k, v in seen.items()))
+    print("differential: issue 52's paths: " + ", ".join(f"{k} {v}" for k, v in items.items()))
+    never = diff_items.never(items)
+    if never and len(specs) >= WARN_FROM:
+        print(f"differential: WARNING: never exercised in {len(specs)} scenarios: "
+              + ", ".join(never))  # fmt: skip
     print("differential: outcomes where the walk was limited: "
           + ", ".join(f"{k} {v}" for k, v in moves.items()))  # fmt: skip
+    print(f"differential: where the walk was limited, {overspent} scenarios spent more than "
+          "stock on some count (L3 queries, reads, keys, allocations, pages)")  # fmt: skip
     print("differential: resources (rank 0), stock / plugin: " + ", ".join(
         f"{k} {totals['stock'][k]} / {totals['plugin'][k]}" for k in totals["stock"]))  # fmt: skip
     if bad:

@@ -1,21 +1,21 @@
-"""Stock's run against the plugin's, for the scenarios of :mod:`.differential`;
-and the runs themselves (both arms over real gloo).
+"""Stock's run against the plugin's, for the scenarios of :mod:`.differential`; and
+the runs themselves (both arms over real gloo).
 
 Every scenario must pass the contract's hard clauses (:mod:`.diff_checks`).
 Outcomes are then compared exactly where the walk was not limited by what the
-batch admitted: a request's outcome is everything its prefetch lifecycle did,
-in order, without the passes (arrival, L3 query, host allocation, read,
-insert, end reason and tokens, revoke, retire, retries, eviction, admission
-and its tokens), and beside them the run's counters, pops, free host pages,
-occupancy and what is left; the plugin may move an admission later by at most
-depth + 1 passes, or later where the walk could not reach the request
-(arrival-based limits). Where the walk *was* limited (a token budget, a full
-batch, a refusal, the prefetch limiter answering otherwise), or a scheduler
-event met the request in another state (an abort, which needs no verdict and
-meets the cache as it is; a storage retry coming due after a stop made depth
-+ 1 passes later), outcomes move the way any timing shift moves them: they are
-counted (:func:`outcome_moves`), not required equal.
-"""
+batch admitted (and read once is off: it changes the reads by design): a
+request's outcome is everything its prefetch lifecycle did, in order, without
+the passes (arrival, L3 query, host allocation, read, insert, end reason and
+tokens, revoke, retire, retries, eviction, admission and its tokens), and beside
+them the run's counters, pops, free host pages, occupancy and what is left; the
+plugin may move an admission later by at most depth + 1 passes, or later where
+the walk could not reach the request (arrival-based limits). Where the walk
+*was* limited (a token budget, a full batch, a refusal, the prefetch limiter
+answering otherwise), or a scheduler event met the request in another state (an
+abort, which needs no verdict and meets the cache as it is; a storage retry
+coming due after a stop made depth + 1 passes later), outcomes move the way any
+timing shift moves them: they are counted (:func:`outcome_moves`), not required
+equal."""
 
 from __future__ import annotations
 
@@ -31,11 +31,20 @@ from hicache_async_ack_lab.testing.diff_records import (  # noqa: F401 (re-expor
     lifecycle,
     limited_by,
     passes_of,
+    ranks_of,
+    read_once,
 )
 
 TARGET = "hicache_async_ack_lab.testing.differential:run_differential"
 WORLD = 2
 GROUP_TIMEOUT_S = 20.0
+# what the driver runs of SGLang besides the cache, imported once before the ranks fork
+PRELOAD = (
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.schedule_policy",
+    "sglang.srt.session.streaming_session",
+    "hicache_async_ack_lab.testing.differential",
+)
 
 
 def lateness(spec: dict, stock: dict, plugin: dict, most: int):
@@ -75,8 +84,7 @@ def exact_differences(spec: dict, stock: list, plugin: list) -> list[str]:
     most depth + 1 passes later."""
     name, found = spec["name"], []
     most = depth_of(spec) + 1
-    for rank in range(len(stock)):
-        s, p = stock[rank][name], plugin[rank][name]
+    for rank, (s, p) in enumerate(zip(ranks_of(stock, name), ranks_of(plugin, name))):
         found += compare_requests(rank, lifecycle(s), lifecycle(p))
         for key in RUN_KEYS:
             if s[key] != p[key]:
@@ -96,7 +104,7 @@ def differences(spec: dict, stock: list, plugin: list) -> list[str]:
     """What fails for ``spec``: a hard clause anywhere, an outcome where the walk
     was not limited ([] if none)."""
     hard = hard_violations(spec, stock, plugin)
-    if hard or spec.get("expect_error"):
+    if hard or spec.get("expect_error") or read_once(spec):
         return hard
     name = spec["name"]
     if limited_by(spec, stock[0][name], plugin[0][name]):
@@ -138,33 +146,51 @@ def outcome_moves(specs: Iterable[dict], stock: list, plugin: list) -> dict:
     return out
 
 
+def world_of(spec: dict) -> int:
+    return int(spec.get("world", WORLD))
+
+
 def jobs(specs: list[dict], timeout_s: float = 600.0) -> list:
+    """Per TP size the scenarios draw: the plugin's arm, then stock's."""
     from hicache_async_ack.tools import Job
 
-    def job(label: str, rank_env: dict) -> Job:
+    def job(label: str, world: int, part: list, rank_env: dict) -> Job:
         return Job(
             target=TARGET,
-            world_size=WORLD,
-            payload={"specs": specs, "group_timeout_s": GROUP_TIMEOUT_S},
-            timeout_s=timeout_s,
-            label=label,
+            world_size=world,
+            payload={"specs": part, "group_timeout_s": GROUP_TIMEOUT_S},
+            timeout_s=timeout_s * len(part) / max(1, len(specs)) + 60.0,
+            label=f"{label}, TP={world}",
             group_timeout_s=GROUP_TIMEOUT_S,
             rank_env=rank_env,
         )
 
-    stock_env = {r: {PLUGINS_VAR: "hicache_async_ack_stock_arm"} for r in range(WORLD)}
-    return [job("differential, plugin", {}), job("differential, stock", stock_env)]
+    out = []
+    for world in sorted({world_of(s) for s in specs}):
+        part = [s for s in specs if world_of(s) == world]
+        stock_env = {r: {PLUGINS_VAR: "hicache_async_ack_stock_arm"} for r in range(world)}
+        out += [job("differential, plugin", world, part, {}),
+                job("differential, stock", world, part, stock_env)]  # fmt: skip
+    return out
 
 
 def run_arms(specs: list[dict], timeout_s: float = 600.0) -> tuple[list, list]:
-    """Both arms over real gloo (TP=2); (stock ranks, plugin ranks)."""
+    """Both arms over real gloo (TP=2, or the scenario's 3 or 4); (stock ranks,
+    plugin ranks): per rank, its record of every scenario it took part in."""
     from hicache_async_ack.tools import RanksFailed
-    from hicache_async_ack_lab.fresh import run_fresh
+    from hicache_async_ack_lab.fresh import SGLANG_PRELOAD, run_fresh
 
-    plugin, stock = run_fresh(jobs(specs, timeout_s))
-    for ranks in (plugin, stock):
+    results = run_fresh(jobs(specs, timeout_s), preload=SGLANG_PRELOAD + PRELOAD)
+    stock: list = []
+    plugin: list = []
+    for i, ranks in enumerate(results):
         if isinstance(ranks, RanksFailed):
             raise ranks
+        into = plugin if i % 2 == 0 else stock
+        for rank, res in enumerate(ranks):
+            while len(into) <= rank:
+                into.append({})
+            into[rank].update(res)
     return stock, plugin
 
 

@@ -14,17 +14,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from hicache_async_ack.env import DEPTH_VAR
+from hicache_async_ack.env import DEPTH_VAR, PREFETCH_VOTES_VAR
+from hicache_async_ack_lab.testing.diff_records import READ_ONCE_VAR
 
 BASE = {"policy": "timeout", "host_pages": 64, "capacity": 1000, "threshold": 1, "passes": 16}
 
 
 def req(rid: str, arrive: int, tokens: int, budget: Any, hit: Any = None, progress: Any = (),
-        finish: Any = None, **extra: Any) -> dict:  # fmt: skip
+        finish: Any = None, error: Any = None, **extra: Any) -> dict:  # fmt: skip
     """A request with one storage script (hit: {at, tokens} or None)."""
     script: dict[str, Any] = {"hit": hit, "progress": [list(x) for x in progress]}
     if finish is not None:
         script["finish"] = finish
+    if error is not None:
+        script["error"] = error
     return {"rid": rid, "arrive": arrive, "tokens": tokens, "budget": budget,
             "scripts": [script], **extra}  # fmt: skip
 
@@ -135,4 +138,99 @@ UNDER_LOAD = [
         *[req(f"a{i}", 0, 4, None, {"at": [2 + i, 2 + i], "tokens": 0}) for i in range(6)],
         req("big", 1, 8, [2, 2], {"at": [0, 0], "tokens": 8}, [[[1, 1], 2]], [30, 30]),
         limits={"tokens": 6, "running": 8}, host_pages=24, exposed=True, passes=30),
+]  # fmt: skip
+
+
+# Issue 52: shared prefixes. A holds 8 tokens in L3; its read gets 4 of them by
+# pass 1 and its deadline cuts it at pass 3 (stock inserts those 4 pages there,
+# in the walk); B is A's first 4 tokens and 2 of its own (threshold 3: stock,
+# matching A's 4 on the host, leaves a remainder too short to ask L3 for).
+SYS = [0, 4]  # family 0, 4 shared tokens: the system prompt
+A8 = {"at": [0, 0], "tokens": 8}
+B6 = {"at": [1, 1], "tokens": 6}
+
+
+def newcomer(rid: str, arrive: int, **extra: Any) -> dict:
+    return req(rid, arrive, 6, None, B6, [[[2, 2], 6]], [4, 4], family=SYS, **extra)
+
+
+def shared(name: str, *requests: dict, **extra: Any) -> dict:
+    return one(name, [], *requests, threshold=3, **extra)
+
+
+A_CUT = req("A", 0, 8, [3, 3], A8, [[[1, 1], 4]], family=[0, 8])
+A_DONE = req("A", 0, 8, None, A8, [[[1, 1], 8]], [2, 2], family=[0, 8])
+SHARED_PREFIX = [
+    # item 2: one newcomer between stock's cut (pass 3) and the plugin's landing
+    # (pass 5): L3 queries 1 -> 2, host pages 8 -> 14 today
+    shared("i2_cut_one_newcomer", A_CUT, newcomer("B", 4)),
+    # six of them: queries 1 -> 7, pages 8 -> 44 today
+    shared("i2_cut_six_newcomers", A_CUT, *[newcomer(f"B{i}", 4) for i in range(6)]),
+    # the same on a 16-page host pool: the newcomers' reads take the pages they
+    # cannot all have; those that lose their allocation go into storage retries
+    shared("i2_cut_six_newcomers_16_pages", A_CUT,
+           *[newcomer(f"B{i}", 4) for i in range(6)],
+           host_pages=16, retry={"interval": 2, "attempts": 4}, passes=24),
+    # the ack sync's own late pop: A completes (its final ack at pass 2, popped
+    # there by stock, a pass later by the plugin); B arrives at pass 3
+    shared("i2_done_one_newcomer", A_DONE, newcomer("B", 3)),
+]  # fmt: skip
+
+READ_ONCE_ON = {READ_ONCE_VAR: "1"}
+# Read once: the newcomers arrive while A's read is in flight in stock too (stock
+# reads the shared prefix again for each; read once waits for A's read to land).
+READ_ONCE = [
+    shared("r1_in_flight_one_newcomer", A_CUT, newcomer("B", 1), env=READ_ONCE_ON),
+    shared("r1_in_flight_six_newcomers", A_CUT, *[newcomer(f"B{i}", 1) for i in range(6)],
+           env=READ_ONCE_ON),
+    shared("r1_in_flight_six_newcomers_16_pages", A_CUT,
+           *[newcomer(f"B{i}", 1) for i in range(6)],
+           host_pages=16, retry={"interval": 2, "attempts": 4}, passes=24, env=READ_ONCE_ON),
+    shared("r1_done_in_flight", A_DONE, newcomer("B", 1), env=READ_ONCE_ON),
+    # threshold 1: the newcomer's own 2 tokens are asked for too (a query each, as
+    # stock's), but the shared 4 are read once
+    one("r1_in_flight_low_threshold", [], A_CUT, newcomer("B", 1), threshold=1,
+        env=READ_ONCE_ON),
+]  # fmt: skip
+
+# Read once's wait bound: B waits on A's read, which then ends otherwise.
+WAIT_BOUND = [
+    # A is aborted while B waits: B reads from L3 itself
+    shared("w_awaited_aborted", req("A", 0, 8, None, A8, [[[1, 1], 4]], abort=2, family=[0, 8]),
+           newcomer("B", 1), env=READ_ONCE_ON),
+    # A's deadline cuts it: B matches the 4 pages it landed
+    shared("w_awaited_cut", A_CUT, newcomer("B", 1), env=READ_ONCE_ON),
+    # A's read fails (its final ack with nothing read): B reads from L3 itself
+    shared("w_awaited_failed",
+           req("A", 0, 8, None, A8, [], [2, 2], family=[0, 8], error="read"),
+           newcomer("B", 1), env=READ_ONCE_ON),
+    # A lands and B matches its 4 pages (the rest too short to read), then waits
+    # behind full batches (a cutoff by arrival); A finishes, device pressure leaves
+    # its pages on the host only and C's hit evicts them (a 14-page pool): B's match
+    # shrank, so upstream re-queries L3 for it (the device-hit-loss path)
+    shared("w_awaited_evicted", {**A_DONE, "decode": 0}, newcomer("B", 1),
+           req("C", 5, 8, None, {"at": [0, 0], "tokens": 8}, [[[1, 1], 8]], [1, 1]),
+           host_pages=14, exposed=True, evict_device={"5": 8},
+           limits={"cutoff": {str(q): 1 for q in range(3, 8)}},
+           retry={"interval": 1, "attempts": 4}, env=READ_ONCE_ON),
+]  # fmt: skip
+
+# Item 3: the votes off (upstream's per-request reduce in the walk) while the ack sync
+# pipelines, so completions are popped depth passes late.
+VOTES_OFF = {PREFETCH_VOTES_VAR: "0"}
+VOTES_OFF_FINDINGS = [
+    # three reads complete at passes 2-4; the plugin's walk still reaches each a pass
+    # (two at depth 2) after stock's saw it done: one collective more per reach
+    one("v_completions_reached_late", [],
+        *[req(f"r{i}", 0, 4, [30, 30], HIT4, [[[1 + i, 1 + i], 4]], [2 + i, 2 + i])
+          for i in range(3)], env=VOTES_OFF),
+    one("v_completions_reached_late_depth_2", [],
+        *[req(f"r{i}", 0, 4, [30, 30], HIT4, [[[1 + i, 1 + i], 4]], [2 + i, 2 + i])
+          for i in range(3)], env={**VOTES_OFF, DEPTH_VAR: "2"}),
+    # depth 2: all 4 tokens landed by pass 1 (stock's KV-landed exemption keeps the read
+    # past its deadline, admitted with 4); the plugin pops that progress at pass 3, so
+    # its walk judges the deadline at pass 2 on nothing read: admitted with 0
+    one("v_deadline_on_stale_progress", [],
+        req("r0", 0, 4, [2, 2], HIT4, [[[1, 1], 4]], [5, 5]),
+        env={**VOTES_OFF, DEPTH_VAR: "2"}),
 ]  # fmt: skip

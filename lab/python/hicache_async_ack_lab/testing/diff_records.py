@@ -6,16 +6,41 @@ from __future__ import annotations
 
 import json
 
-from hicache_async_ack.env import DEPTH_VAR
+from hicache_async_ack import env as plugin_env
+from hicache_async_ack.env import DEPTH_AUTO, DEPTH_MAX, DEPTH_VAR, PREFETCH_VOTES_VAR
+
+# issue 52's read-once setting (the plugin's name for it once it declares it)
+READ_ONCE_VAR = getattr(
+    plugin_env, "READ_ONCE_VAR", "SGLANG_ENABLE_HICACHE_ASYNC_PREFETCH_READ_ONCE"
+)
 
 WALK_LIMITS = ("token_budget", "batch_full", "refused")
 # Timer starts are not outcomes: the plugin's walk reaches a request whose read
 # stock had already seen complete (its acks are drained a pass later).
-NOT_OUTCOMES = ("polled",)
+NOT_OUTCOMES = ("polled", "finished")
 # The scheduler's side of a request's end: an abort that reaches the plugin's run
 # while the request still waits for an admission stock already made is a race.
 SCHEDULER_ENDS = ("aborted", "admitted", "admission")
 SCHEDULER_EVENTS = ("arrived", "aborted")
+
+
+def ranks_of(arm: list, name: str) -> list[dict]:
+    """Every rank's record of scenario ``name`` (scenarios run at TP=2, 3 or 4)."""
+    return [r[name] for r in arm if name in r]
+
+
+def depth_of(spec: dict) -> int:
+    """The lag depth; under auto, the largest auto may take."""
+    raw = spec.get("env", {}).get(DEPTH_VAR, "1")
+    return DEPTH_MAX if raw == DEPTH_AUTO else int(raw)
+
+
+def read_once(spec: dict) -> bool:
+    return spec.get("env", {}).get(READ_ONCE_VAR) == "1"
+
+
+def votes_off(spec: dict) -> bool:
+    return spec.get("env", {}).get(PREFETCH_VOTES_VAR) == "0"
 
 
 def lifecycle(result: dict) -> dict:
@@ -45,10 +70,6 @@ def ends(result: dict) -> dict:
         if kind in ("finish", "admission"):
             out[json.dumps(k)] = d
     return out
-
-
-def depth_of(spec: dict) -> int:
-    return int(spec.get("env", {}).get(DEPTH_VAR, "1"))
 
 
 def raced(stock: dict, plugin: dict) -> set:
@@ -83,8 +104,26 @@ def limited_by(spec: dict, stock: dict, plugin: dict) -> list[str]:
         # a retry comes due some passes after it was armed: armed at a stop the
         # plugin makes depth + 1 passes later, it meets the request in another state
         why.append("retry_race")
+    # scheduler events keyed by pass that met a request (or the scheduler) in
+    # another state: a retraction of a request running in one run only, the
+    # operator's flush / detach / attach done once idle, device pressure on a
+    # tree whose locks follow the running requests
+    for kind, race in (("retracted", "retract_race"), ("device_evicted", "device_race")):
+        if events_of(stock, kind) != events_of(plugin, kind):
+            why.append(race)
+    if operator(stock) != operator(plugin):
+        why.append("operator_race")
     return why
+
+
+def events_of(result: dict, kind: str) -> list:
+    return sorted(json.dumps([e[1], e[3]]) for e in result["events"] if e[2] == kind)
 
 
 RUN_KEYS = ("stats", "metrics", "free_pages", "occupied", "waiting", "ongoing", "l3_queries",
             "reads")  # fmt: skip
+
+
+def operator(result: dict) -> list:
+    """The operator's flushes, detaches and attaches: (pass done, what)."""
+    return [(e[0], e[2]) for e in result["events"] if e[1] == "operator"]

@@ -25,15 +25,10 @@ from hicache_async_ack_lab.sim.host_tree import ROOT
 from hicache_async_ack_lab.sim.lifecycle import Record, handle_key
 from hicache_async_ack_lab.sim.sched_shim import new_req, new_scheduler
 from hicache_async_ack_lab.testing import diff_walk
+from hicache_async_ack_lab.testing.diff_build import RecordingRetries, family_tokens
 
 TOKEN_BASE = 1_000_000  # request i attempt a: its own tokens from (i * 64 + a) * TOKEN_BASE
-FAMILY_BASE = 900_000_000  # a family's shared prefix tokens from (f + 1) * FAMILY_BASE
 TAIL = 7  # the prompt's last token (never cached)
-
-
-def family_tokens(family: int, n: int) -> list[int]:
-    base = (family + 1) * FAMILY_BASE
-    return list(range(base, base + n))
 
 
 class Scheduler:
@@ -50,7 +45,7 @@ class Scheduler:
         self.attempt: dict = {}
         self.arrived: dict = {}  # rid -> the pass its current attempt arrived
         self.transfer: list = []  # PD decode: the transfer queue
-        self.running: dict = {}  # rid -> (Req, the pass it finishes)
+        self.running: dict = {}  # (rid, attempt) -> (Req, the pass it finishes)
         self.requeue_at: dict = {}  # pass -> [rid]
         self.limits: list = []  # (pass, kind, key): what limited the walk
         self.popped: dict = {}  # key -> L3 tokens popped for it, until its admission
@@ -133,9 +128,9 @@ class Scheduler:
             if r.get("retract") == p:
                 self.retract(r["rid"])
         self.sim.cc.deliver()
-        for rid, (req, until) in list(self.running.items()):
+        for key, (req, until) in list(self.running.items()):
             if until <= p:
-                self.finish(rid, req)
+                self.finish(key, req)
         evict = spec.get("evict_device", {}).get(str(p))
         if evict:
             self.sim.tree.evict_device(evict)
@@ -150,22 +145,23 @@ class Scheduler:
         if parked > 0:  # retries declined, buffer_only hits parked for host capacity
             self.limits.append((p, "declined_rate_limited", parked))
 
-    def finish(self, rid: str, req) -> None:
+    def finish(self, key: tuple, req) -> None:
         """The request finished running: its path is the tree's again (its own KV
         is not inserted: see docs/differential.md)."""
-        del self.running[rid]
+        del self.running[key]
         self.cache.unlock(req.lock)
         req.lock = None
-        self.record.add(self.key(rid), "finished")
+        self.record.add(key, "finished")
 
-    def admitted(self, req, p: int, loaded: int) -> None:
-        """``req`` joined the batch of pass ``p`` with ``loaded`` tokens from L3."""
+    def admitted(self, req, p: int, loaded: int, host: int) -> None:
+        """``req`` joined the batch of pass ``p`` with ``loaded`` tokens from L3 and
+        ``host`` loaded back from the host; recorded with its cached prefix."""
         key = handle_key(req.cache_request_handle)
         if self.cache.buffer_pipeline is not None:
             self.cache.buffer_pipeline.consume(req.cache_request_handle)
-        self.record.add(key, "admitted", loaded, req.prefix_len)
+        self.record.add(key, "admitted", loaded, req.prefix_len, host)
         r = self.requests[req.rid]
-        self.running[req.rid] = (req, p + 1 + int(r.get("decode", 2)))
+        self.running[key] = (req, p + 1 + int(r.get("decode", 2)))
         if r.get("requeue") is not None and self.attempt[req.rid] == 0:
             self.requeue_at.setdefault(p + 1 + r["requeue"], []).append(req.rid)
 
@@ -173,8 +169,8 @@ class Scheduler:
         """An abort of a waiting (prefetching or not), running or queued decode request."""
         from sglang.srt.managers.scheduler import Scheduler as Upstream
 
-        if rid in self.running:
-            req, _ = self.running.pop(rid)
+        if self.key(rid) in self.running:
+            req, _ = self.running.pop(self.key(rid))
             self.cache.unlock(req.lock)
             req.lock, state = None, "running"
         else:
@@ -196,9 +192,9 @@ class Scheduler:
         (``retract_decode``, then ``_add_request_to_queue(req, is_retracted=True)``)."""
         from sglang.srt.managers.scheduler import Scheduler as Upstream
 
-        if rid not in self.running or self.decode():
+        if self.key(rid) not in self.running or self.decode():
             return
-        req, _ = self.running.pop(rid)
+        req, _ = self.running.pop(self.key(rid))
         self.cache.unlock(req.lock)
         first = (self.index[rid] * 64 + 63) * TOKEN_BASE  # what it decoded so far
         req.output_ids.extend(range(first, first + 2))
@@ -236,8 +232,6 @@ class Scheduler:
     def flush(self) -> None:
         """``flush_cache``: upstream's ``reset()`` (the tree, the controller, the
         host pool, the prefetch state, a fresh retry set: recorded again)."""
-        from hicache_async_ack_lab.testing.differential import RecordingRetries
-
         self.cache.reset()
         self.cache.storage_prefetch_retries = RecordingRetries(self.record)
 

@@ -58,6 +58,7 @@ def walk(sched, p: int) -> list:
         if storage and Upstream._prefetch_after_device_hit_loss(shim, req):
             sched.record.add(key, "requery")
             continue
+        host = req.host_hit_length  # what the load-back promises from the host
         sched.record.admitting = True  # its accounting's exit is the admission's
         try:
             res = adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
@@ -65,7 +66,8 @@ def walk(sched, p: int) -> list:
             sched.record.admitting = False
         added = bool(adder.can_run_list) and adder.can_run_list[-1] is req
         if added:
-            sched.admitted(req, p, sched.popped.pop(key, 0))
+            host = min(host, req.host_loaded_length) if host > 0 else 0
+            sched.admitted(req, p, sched.popped.pop(key, 0), host)
         if res != AddReqResult.CONTINUE:
             sched.limits.append((p, "token_budget" if added else "refused", key))
             break

@@ -168,7 +168,7 @@ class RankDriver:
             if _in_tree:  # a peer on another release
                 _in_tree_module().PROTOCOL_VERSION = PROTOCOL_VERSION + 1
             else:
-                self.state.sync_core.protocol = PROTOCOL_VERSION + 1
+                self.state.core.protocol = PROTOCOL_VERSION + 1
         self.traffic.enqueue(step, new_work=step < spec["steps"])
 
     def pick_event(self, step: int):
@@ -224,7 +224,7 @@ class RankDriver:
             "steps_run": len(per_step),
             "violations": self.sim.cc.violations,
             "left": self.left(),
-            "pending": self.state.sync_core.pending if self.state.sync_core else 0,
+            "pending": self.state.core.pending if self.state.core else 0,
             "pipelined": decision.pipelined,
             "reason": decision.reason,
             "counts": {"enqueued": self.traffic.enqueued, "events": self.event_counts},
@@ -247,7 +247,7 @@ class InTreeState:
         self.cache = cache
 
     @property
-    def sync_core(self):
+    def core(self):
         sync = self.cache.ack_sync
         if sync is None:
             return None
@@ -274,7 +274,7 @@ def run_scenario(spec: dict, rank: int, world: int, groups: dict) -> dict:
             d.sim.cache.check_hicache_events()
             per_step.append([pre, d.sim.take_pops()])
             events.append(ev)
-            d.depths.append(d.state.sync_core.depth if d.state.sync_core else 0)
+            d.depths.append(d.state.core.depth if d.state.core else 0)
     except Exception as exc:
         out = d.summary(per_step, events)
         out["error"] = f"{type(exc).__name__}: {exc}"
