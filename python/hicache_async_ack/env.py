@@ -95,6 +95,45 @@ def parse_depth(name: str, raw: Optional[str], default: int) -> Union[int, str]:
     return depth
 
 
+@dataclass(frozen=True)
+class Switch:
+    """A boolean setting: its variable, its default and what each value means (doctor's
+    row; a sync's row names the one that turns it off)."""
+
+    var: str
+    default: bool
+    on: str
+    off: str
+
+    def read(self, environ: Optional[Environ] = None) -> bool:
+        return _flag(self.var, self.default, environ)
+
+
+ENABLE = Switch(ENABLE_VAR, ENABLE_DEFAULT, "the ack sync may pipeline",
+                "SGLang's path everywhere")  # fmt: skip
+ALLOW_UNTESTED = Switch(
+    ALLOW_UNTESTED_VAR, ALLOW_UNTESTED_DEFAULT,
+    "a sync whose methods match no tested release runs anyway",
+    "a sync whose methods match no tested release keeps SGLang's path",
+)  # fmt: skip
+PREFETCH_VOTES = Switch(
+    PREFETCH_VOTES_VAR, PREFETCH_VOTES_DEFAULT,
+    "with a storage backend, prefetch deadlines ride the ack-count reduce",
+    "SGLang's storage path (a blocking reduce per waiting prefetch; the ack counts keep "
+    "SGLang's path while a backend is attached)",
+)  # fmt: skip
+READ_ONCE = Switch(
+    READ_ONCE_VAR, READ_ONCE_DEFAULT,
+    "with the votes, a request waits for a prefetch in flight at its anchor and reads only "
+    "the rest", "each request reads its whole L3 remainder, as stock",
+)  # fmt: skip
+OFFLOAD_SYNC = Switch(
+    OFFLOAD_SYNC_VAR, OFFLOAD_SYNC_DEFAULT, "PD decode offload progress pipelined",
+    "SGLang's blocking reduce",
+)  # fmt: skip
+SWITCHES = (ENABLE, ALLOW_UNTESTED, PREFETCH_VOTES, READ_ONCE, OFFLOAD_SYNC)
+
+
 def read_settings(environ: Optional[Environ] = None) -> Settings:
     """The plugin's settings, validated (ValueError); off, the depth is not read."""
     env = os.environ if environ is None else environ
@@ -113,19 +152,19 @@ def _flag(var: str, default: bool, environ: Optional[Environ]) -> bool:
 
 
 def allow_untested(environ: Optional[Environ] = None) -> bool:
-    return _flag(ALLOW_UNTESTED_VAR, ALLOW_UNTESTED_DEFAULT, environ)
+    return ALLOW_UNTESTED.read(environ)
 
 
 def prefetch_votes_enabled(environ: Optional[Environ] = None) -> bool:
-    return _flag(PREFETCH_VOTES_VAR, PREFETCH_VOTES_DEFAULT, environ)
+    return PREFETCH_VOTES.read(environ)
 
 
 def read_once_enabled(environ: Optional[Environ] = None) -> bool:
-    return _flag(READ_ONCE_VAR, READ_ONCE_DEFAULT, environ)
+    return READ_ONCE.read(environ)
 
 
 def offload_sync_enabled(environ: Optional[Environ] = None) -> bool:
-    return _flag(OFFLOAD_SYNC_VAR, OFFLOAD_SYNC_DEFAULT, environ)
+    return OFFLOAD_SYNC.read(environ)
 
 
 def plugin_whitelisted(environ: Optional[Environ] = None) -> bool:
@@ -136,10 +175,11 @@ def plugin_whitelisted(environ: Optional[Environ] = None) -> bool:
     return not allowed or ENTRY_POINT_NAME in allowed
 
 
-__all__ = ["ALLOW_UNTESTED_DEFAULT", "ALLOW_UNTESTED_VAR", "DEPTH_AUTO", "DEPTH_DEFAULT",
-    "DEPTH_MAX", "DEPTH_VAR", "ENABLE_DEFAULT", "ENABLE_VAR", "ENTRY_POINT_NAME",
-    "FALSE_SPELLINGS", "OFFLOAD_SYNC_DEFAULT", "OFFLOAD_SYNC_VAR", "PLUGINS_VAR",
-    "PREFETCH_VOTES_DEFAULT", "PREFETCH_VOTES_VAR", "READ_ONCE_DEFAULT", "READ_ONCE_VAR",
-    "TRUE_SPELLINGS", "Settings", "allow_untested", "offload_sync_enabled", "parse_bool",
-    "parse_depth", "plugin_whitelisted", "prefetch_votes_enabled", "read_once_enabled",
-    "read_settings"]  # fmt: skip
+__all__ = ["ALLOW_UNTESTED", "ALLOW_UNTESTED_DEFAULT", "ALLOW_UNTESTED_VAR", "DEPTH_AUTO",
+    "DEPTH_DEFAULT", "DEPTH_MAX", "DEPTH_VAR", "ENABLE", "ENABLE_DEFAULT", "ENABLE_VAR",
+    "ENTRY_POINT_NAME", "FALSE_SPELLINGS", "OFFLOAD_SYNC", "OFFLOAD_SYNC_DEFAULT",
+    "OFFLOAD_SYNC_VAR", "PLUGINS_VAR", "PREFETCH_VOTES", "PREFETCH_VOTES_DEFAULT",
+    "PREFETCH_VOTES_VAR", "READ_ONCE", "READ_ONCE_DEFAULT", "READ_ONCE_VAR", "SWITCHES",
+    "Settings", "Switch", "TRUE_SPELLINGS", "allow_untested", "offload_sync_enabled",
+    "parse_bool", "parse_depth", "plugin_whitelisted", "prefetch_votes_enabled",
+    "read_once_enabled", "read_settings"]  # fmt: skip

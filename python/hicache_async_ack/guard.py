@@ -309,6 +309,22 @@ class Judged:
     verdict: Optional[Verdict] = None
     untested_ok: bool = False
 
+    def runs(self, sync: str) -> bool:
+        """Whether register() hooks ``sync`` here (its methods tested, or untested with
+        the opt-in)."""
+        if self.verdict is None:
+            return False
+        status = self.verdict.feature(sync).status
+        return status == "tested" or (status == "untested" and self.untested_ok)
+
+    def stand_down(self, sync: str) -> Optional[str]:
+        """The reason code ``sync`` stands down with here (``not_in_release``: recorded as
+        absent; ``untested_release``: any other verdict that keeps it off), or None."""
+        if self.runs(sync):
+            return None
+        absent = self.verdict is not None and self.verdict.feature(sync).status == "absent"
+        return "not_in_release" if absent else "untested_release"
+
 
 __all__ = ["BODY", "CACHE_CLASS", "CACHE_MODULE", "MANAGER_CLASS", "MANAGER_MODULE", "SCHEME",
     "SIGNATURE", "TABLE_PATH", "TARGETS", "UNTESTED", "FeatureVerdict", "Judged", "MethodVerdict",

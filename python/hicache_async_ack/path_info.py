@@ -9,33 +9,49 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Protocol, cast
 
 from .names import CACHE_SYNCS, LOGGER_NAME, SYNC_NAMES
 
 logger = logging.getLogger(LOGGER_NAME)
 
 
-def collector_classes(metrics_collector: Any = None) -> tuple[Any, Any, Any]:
+class Labelled(Protocol):
+    """A metric family class's instance (prometheus_client's, or SGLang's collector's)."""
+
+    def labels(self, **labels: str) -> object: ...
+
+
+FamilyClass = Callable[..., Labelled]
+
+
+class Settable(Protocol):
+    def set(self, value: float) -> None: ...
+
+
+def collector_classes(
+    metrics_collector: object = None,
+) -> tuple[FamilyClass, FamilyClass, FamilyClass]:
     """(Counter, Gauge, Histogram): the classes SGLang's cache metrics use (``_counter_cls``
     ...; other collectors, e.g. Ray's, get ours too); the gauge from the scheduler role's
     collector class; prometheus_client's where SGLang has none."""
     from prometheus_client import Counter, Gauge, Histogram
 
     cache_cls = type(metrics_collector) if metrics_collector is not None else None
-    counter = getattr(cache_cls, "_counter_cls", None)
-    histogram = getattr(cache_cls, "_histogram_cls", None)
-    gauge = getattr(cache_cls, "_gauge_cls", None)
+    counter: Optional[FamilyClass] = getattr(cache_cls, "_counter_cls", None)
+    histogram: Optional[FamilyClass] = getattr(cache_cls, "_histogram_cls", None)
+    gauge: Optional[FamilyClass] = getattr(cache_cls, "_gauge_cls", None)
     if gauge is None or cache_cls is None:  # no collector at all: the scheduler role's
         scheduler_cls = _scheduler_collector_class()
         gauge = gauge or getattr(scheduler_cls, "_gauge_cls", None)
         if cache_cls is None:
             counter = getattr(scheduler_cls, "_counter_cls", None)
             histogram = getattr(scheduler_cls, "_histogram_cls", None)
-    return counter or Counter, gauge or Gauge, histogram or Histogram
+    defaults = cast(tuple[FamilyClass, FamilyClass, FamilyClass], (Counter, Gauge, Histogram))
+    return counter or defaults[0], gauge or defaults[1], histogram or defaults[2]
 
 
-def _scheduler_collector_class() -> Any:
+def _scheduler_collector_class() -> object:
     try:
         from sglang.srt.observability.metrics_collector import (
             STAT_LOGGER_ROLE_SCHEDULER,
@@ -43,7 +59,10 @@ def _scheduler_collector_class() -> Any:
             resolve_collector_class,
         )
 
-        return resolve_collector_class(STAT_LOGGER_ROLE_SCHEDULER, SchedulerMetricsCollector)
+        found: object = resolve_collector_class(
+            STAT_LOGGER_ROLE_SCHEDULER, SchedulerMetricsCollector
+        )
+        return found
     except Exception:  # an SGLang without pluggable collectors
         return None
 
@@ -55,7 +74,7 @@ OTHER = "other"  # a code that is not a bounded snake_case word
 _CODE = re.compile(r"[a-z][a-z0-9_]{0,47}")
 
 # label names -> gauge family (one per label set, as metrics.py keeps them)
-_families: dict[tuple[str, ...], Any] = {}
+_families: dict[tuple[str, ...], Labelled] = {}
 # (labels, sync) -> the (path, reason) child currently at 1
 _current: dict[tuple[tuple[tuple[str, str], ...], str], tuple[str, str]] = {}
 
@@ -65,7 +84,7 @@ def reason_code(code: Optional[str]) -> str:
     return code if code is not None and _CODE.fullmatch(code) else OTHER
 
 
-def _family(labelnames: tuple[str, ...], metrics_collector: Any = None) -> Any:
+def _family(labelnames: tuple[str, ...], metrics_collector: object = None) -> Labelled:
     fam = _families.get(labelnames)
     if fam is not None:
         return fam
@@ -74,7 +93,7 @@ def _family(labelnames: tuple[str, ...], metrics_collector: Any = None) -> Any:
     if _families:
         from prometheus_client import Gauge as PromGauge
 
-        if gauge is PromGauge:  # the name is taken in the default registry
+        if gauge is cast(object, PromGauge):  # the name is taken in the default registry
             extra = {"registry": None}
     fam = _families[labelnames] = gauge(
         NAME,
@@ -91,8 +110,8 @@ def publish(
     sync: str,
     path: str,
     reason: Optional[str],
-    labels: Mapping[str, Any],
-    metrics_collector: Any = None,
+    labels: Mapping[str, object],
+    metrics_collector: object = None,
 ) -> bool:
     """Set this rank's ``sync`` to ``path`` for ``reason`` (the one replaced drops to 0).
     Never raises: False, logged, when the series cannot be written."""
@@ -110,8 +129,8 @@ def publish(
         now = (path, reason_code(reason))
         before = _current.get(key)
         if before is not None and before != now:
-            fam.labels(**own, sync=sync, path=before[0], reason=before[1]).set(0)
-        fam.labels(**own, sync=sync, path=now[0], reason=now[1]).set(1)
+            gauge(fam, own, sync, before).set(0)
+        gauge(fam, own, sync, now).set(1)
         _current[key] = now
         return True
     except Exception as exc:
@@ -119,12 +138,19 @@ def publish(
         return False
 
 
-def inert_hook(reason: str, syncs: tuple[str, ...] = CACHE_SYNCS) -> Callable[..., Any]:
+def gauge(fam: Labelled, own: Mapping[str, str], sync: str, path: tuple[str, str]) -> Settable:
+    """The info series' child for this rank, ``sync`` and (path, reason)."""
+    return cast(Settable, fam.labels(**own, sync=sync, path=path[0], reason=path[1]))
+
+
+def inert_hook(reason: str, syncs: tuple[str, ...] = CACHE_SYNCS) -> Callable[..., object]:
     """An AFTER init_hicache hook where features stand down: publishes path ``off`` with
     ``reason`` for each of ``syncs`` under the cache's labels; reads only
     ``cache.metrics_collector``, takes any arguments and never raises."""
 
-    def after_init_hicache_path_info(result: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
+    def after_init_hicache_path_info(
+        result: object, cache: object, *args: object, **kwargs: object
+    ) -> object:
         try:
             collector = getattr(cache, "metrics_collector", None)
             labels = getattr(collector, "labels", None)

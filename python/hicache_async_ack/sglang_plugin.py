@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Callable, Literal, Optional, overload
+from typing import Any, Callable, Optional
 
 from .env import (
     ALLOW_UNTESTED_VAR,
@@ -23,17 +23,23 @@ from .env import (
     read_settings,
 )
 from .features import all_features
+from .features.ack_counts import FEATURE as ACK_FEATURE
 from .features.ack_counts import TAG, AckCountsState
+from .features.decode_offload import FEATURE as OFFLOAD_FEATURE
 from .features.decode_offload import OffloadSyncState
+from .features.prefetch_votes import FEATURE as VOTES_FEATURE
 from .features.prefetch_votes import PrefetchVoteState
 from .features.vote_landing import Landing, Pins
 from .features.vote_starts import Remainder, Starts
 from .guard import CACHE_CLASS, Judged, Verdict, check_installed
 from .kit.collectives import Collectives, TorchHandle
+from .kit.decision import Decision
 from .kit.environment import Environment, EventSink, environment, use_environment
-from .kit.feature import Feature, FeatureState
+from .kit.feature import DECLARED, Feature, FeatureState
+from .kit.feature import state_of as feature_state_of
 from .kit.hooks import hook, hooked_for, is_hooked, registrations
-from .names import ACK_COUNTS, BY_NAME, CACHE_SYNCS, LOGGER_NAME, SyncName
+from .kit.owner import OwnerState
+from .names import ACK_COUNTS, CACHE_SYNCS, LOGGER_NAME, SyncName
 from .path_info import inert_hook
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -74,20 +80,23 @@ def register(env: Optional[Environment] = None) -> None:
     if carries_the_sync_itself():
         logger.info("%s: this SGLang carries the pipelined ack sync itself (%s); registering "
                     "no hooks", TAG, IN_TREE_MODULE)  # fmt: skip
+        # the path info series still says why this plugin's syncs are off here
+        HookRegistry.register(f"{CACHE_CLASS}.init_hicache", inert_hook("in_tree", CACHE_SYNCS),
+                              HookType.AFTER)  # fmt: skip
         return
     verdict = env.judged.verdict if env.judged is not None else judge_installed(env)
-    use_environment(replace(env, judged=Judged(verdict, untested_ok)))
+    judged = Judged(verdict, untested_ok)
+    use_environment(replace(env, judged=judged))
     allowed: list[Feature[Any]] = []
     standing_down: dict[SyncName, str] = {}  # sync -> reason code
-    for feature in all_features():
-        name = feature.sync.name
-        if verdict is None:
-            standing_down[name] = "untested_release"
-        elif allows(verdict, feature, untested_ok):
+    for feature in env.features or all_features():
+        code = judged.stand_down(feature.sync.name)
+        if verdict is not None:
+            allows(verdict, feature, untested_ok)  # says why, in the log
+        if code is None:
             allowed.append(feature)
         else:
-            absent = verdict.feature(name).status == "absent"
-            standing_down[name] = "not_in_release" if absent else "untested_release"
+            standing_down[feature.sync.name] = code
     hooks = [h for feature in allowed for h in feature.hooks]
     for target, kind, fn in registrations(hooks):
         HookRegistry.register(target, fn, getattr(HookType, kind))
@@ -148,33 +157,27 @@ def allows(verdict: Verdict, feature: Feature[Any], untested_ok: bool) -> bool:
     return True
 
 
-def init_cache(cache: Any, params: Any = None) -> None:
+def init_cache(cache: object, params: object = None) -> None:
     """What SGLang's ``init_hicache`` hooks do, for a cache built by hand: the state of
     every cache sync this SGLang runs (register()'s verdict, else the guard's), in order
     (``params.enable_metrics`` turns the metrics on)."""
     env = environment()
     judged = env.judged if env.judged is not None else Judged(judge_installed(env))
-    for feature in all_features():
-        status = judged.verdict.feature(feature.sync.name).status if judged.verdict else None
-        runs = status == "tested" or (judged.untested_ok and status == "untested")
-        if feature.sync.name in CACHE_SYNCS and runs:
+    for feature in env.features or all_features():
+        if feature.owner == CACHE_CLASS and judged.runs(feature.sync.name):
             init = next(h for h in feature.hooks if h.method == "init_hicache")
             init.fn(None, cache, None, params)
 
 
-@overload
-def state_of(obj: Any, sync: Literal["ack_counts"]) -> Optional[AckCountsState]: ...
-@overload
-def state_of(obj: Any, sync: Literal["prefetch_votes"]) -> Optional[PrefetchVoteState]: ...
-@overload
-def state_of(obj: Any, sync: Literal["decode_offload"]) -> Optional[OffloadSyncState]: ...
-def state_of(obj: Any, sync: SyncName) -> Optional[FeatureState]:
-    """``obj``'s state for ``sync`` (a cache's, a decode offload manager's), if built."""
-    state: Optional[FeatureState] = obj.__dict__.get(BY_NAME[sync].state_attr)
-    return state
+def state_of(feature: Any, obj: Any) -> Any:
+    """``obj``'s state for ``feature`` (TRANSITION: also ``state_of(obj, "name")``)."""
+    if isinstance(obj, str):
+        return feature_state_of(DECLARED[obj], feature)
+    return feature_state_of(feature, obj)
 
 
-__all__ = ["AckCountsState", "Collectives", "Environment", "EventSink", "Landing",
-    "OffloadSyncState", "Pins", "PrefetchVoteState", "Remainder", "Starts", "TorchHandle",
-    "environment", "hooked_for", "init_cache", "is_hooked", "register", "state_of",
-    "use_environment"]  # fmt: skip
+__all__ = ["ACK_FEATURE", "AckCountsState", "Collectives", "Decision", "Environment", "EventSink",
+    "Feature", "FeatureState", "Landing", "OFFLOAD_FEATURE", "OffloadSyncState", "OwnerState",
+    "Pins", "PrefetchVoteState", "Remainder", "Starts", "TorchHandle", "VOTES_FEATURE",
+    "all_features", "environment", "hooked_for", "init_cache", "is_hooked", "register",
+    "state_of", "use_environment"]  # fmt: skip

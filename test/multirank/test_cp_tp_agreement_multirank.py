@@ -113,5 +113,5 @@ def test_a_killed_rank_stops_every_survivor(runs):
     for rank in range(WORLD - 1):
         r = runs["kill"][rank]["kill"]
         err = r.get("error", "")
-        assert "HiCacheAckSyncError" in err and "HiCache ack sync failed" in err, (rank, err)
+        assert "HiCacheAckSyncError" in err and "HiCache ack sync: failed" in err, (rank, err)
         assert r["seconds"] < GROUP_TIMEOUT

@@ -24,6 +24,9 @@ SPECS = [
     dict(name="pipelined", seed=4, steps=150),
     dict(name="retractions", seed=8, steps=300, retract=0.05),
     dict(name="one_rank_off", seed=2, steps=20, rank_env={"1": OFF}),
+    # issue 53 items 1 and 2, with SGLang's metrics on (PROMETHEUS_MULTIPROC_DIR)
+    dict(name="mismatch_metrics", seed=2, steps=20, rank_env={"1": OFF}, metrics=True),
+    dict(name="fifo_metrics", seed=5, steps=60, reorder_from=5, metrics=True),
 ]
 
 
@@ -95,3 +98,32 @@ def test_a_rank_without_the_plugin_is_named_by_the_others(results):
         assert "a peer does not" in r.get("error", ""), (rank, r.get("error"))
         assert r["error_step"] == 0 and r["per_step"] == []
         assert r["seconds"] < GROUP_TIMEOUT
+
+
+TITLE = "HiCache decode offload sync:"
+
+
+def test_a_mismatch_with_metrics_on_is_counted_logged_and_titled(results):
+    """Issue 53 item 1: OffloadSyncMetrics had no on_failure, so a mismatch with metrics
+    on died with AttributeError and the named mismatch was never logged."""
+    for rank, per in enumerate(results[0]):
+        r = per["mismatch_metrics"]
+        err = r.get("error", "")
+        assert err.startswith(f"OffloadSyncMismatch: {TITLE}"), (rank, err)
+        assert f"{OFFLOAD_SYNC_VAR} differs" in err
+        assert r["failures"] == {"mismatch": 1, "failure": 0}, (rank, r["failures"])
+        assert r["logged_errors"], rank
+        assert all(line.startswith(TITLE) for line in r["logged_errors"]), r["logged_errors"]
+
+
+def test_a_fifo_violation_is_the_offload_syncs_error_counted_logged_and_titled(results):
+    """Issue 53 item 2: the protocol raised the ack sync's error for every sync, so the
+    offload sync's FIFO violation was neither counted nor logged nor titled as its own."""
+    for rank, per in enumerate(results[0]):
+        r = per["fifo_metrics"]
+        assert "reordered" in r, "the scenario never reordered: it would prove nothing"
+        err = r.get("error", "")
+        assert err.startswith(f"OffloadSyncError: {TITLE}") and "FIFO" in err, (rank, err)
+        assert r["error_step"] == r["reordered"]
+        assert r["failures"] == {"mismatch": 0, "failure": 1}, (rank, r["failures"])
+        assert len(r["logged_errors"]) == 1 and "FIFO" in r["logged_errors"][0]

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache_async_ack.env import DEPTH_VAR
-from hicache_async_ack.protocol import PipelinedAckSync
+from hicache_async_ack.protocol import PipelinedReduce
 from hicache_async_ack.sglang_plugin import AckCountsState, environment
 from hicache_async_ack_lab.plugin_env import installed
 from hicache_async_ack_lab.sim.clock import ModelClock, modelled
@@ -92,7 +92,7 @@ def simulate(
         with installed(**model):
             drivers.append(RankDriver(spec, r, world, {"tp": hub.group(r)}))
     for d in drivers:
-        assert d.state.sync_core is not None, d.state.static
+        assert d.state.core is not None, d.state.static
         d.sim.cache.__dict__["_all_reduce"] = hub.blocking(d.rank)
     stats: dict = {"steps": 0, "popped": 0, "events": defaultdict(int), "depths": []}
     for step in range(drivers[0].total_steps):
@@ -128,7 +128,7 @@ def simulate(
                 assert pre[r] == pre[0], f"lifecycle pops differ: rank 0 {pre[0]} rank {r} {pre[r]}"
                 assert post[r] == post[0], f"pops differ: rank 0 {post[0]} rank {r} {post[r]}"
             assert len(set(hub.seq)) == 1, f"collective counts differ {hub.seq}"
-            depths = {d.state.sync_core.depth for d in drivers if d.state.sync_core}
+            depths = {d.state.core.depth for d in drivers if d.state.core}
             assert len(depths) == 1, f"ranks run different depths {depths}"
             stats["depths"].append(depths.pop())
             stats["popped"] += len(pre[0]) + len(post[0])
@@ -234,7 +234,7 @@ def test_property_random_schedules(sim_plugin, seed, depth, world, event_p, even
     simulate(seed=seed, steps=60, world=world, depth=depth, event_p=event_p, events=events)
 
 
-class CountOnly(PipelinedAckSync):
+class CountOnly(PipelinedReduce):
     """Trusts the agreed count, ignoring what other paths popped in between."""
 
     @staticmethod

@@ -5,18 +5,22 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-from functools import partial
 
 import pytest
 
 from hicache_async_ack import protocol as core
-from hicache_async_ack.errors import HiCacheAckSyncError
-from hicache_async_ack.names import ACK_COUNTS
-from hicache_async_ack.protocol import PROTOCOL_VERSION, PipelinedAckSync, Stamp, still_queued
+from hicache_async_ack.protocol import (
+    PROTOCOL_VERSION,
+    PeerMismatch,
+    PipelinedReduce,
+    ProtocolError,
+    Stamp,
+    still_queued,
+)
 from hicache_async_ack_lab.sim.clock import ModelClock, modelled
 from hicache_async_ack_lab.sim.collectives import MinHub
 
-Sync = partial(PipelinedAckSync, title=ACK_COUNTS.title)
+Sync = PipelinedReduce
 
 
 class Ref:
@@ -52,12 +56,50 @@ def test_the_protocol_imports_with_sglang_and_torch_blocked():
     out = _blocked(
         "import hicache_async_ack.protocol as p\n"
         "mods = [m.name for m in pkgutil.iter_modules(p.__path__)]\n"
-        "assert {'reduce', 'stamp', 'depth', 'votes'} <= set(mods), mods\n"
+        "assert {'reduce', 'stamp', 'depth', 'votes', 'errors'} <= set(mods), mods\n"
         "for m in mods:\n"
         "    importlib.import_module('hicache_async_ack.protocol.' + m)\n"
         "print('imported', len(mods))"
     )
-    assert out.returncode == 0 and "imported 4" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0 and "imported 5" in out.stdout, out.stdout + out.stderr
+
+
+def sync_errors_named(source: str) -> set[str]:
+    """The plugin's sync error classes (errors.py) a module's source names."""
+    import ast
+
+    from hicache_async_ack import errors
+
+    sync_errors = set(errors.__all__) - {"ErrorPair"}
+    tree = ast.parse(source)
+    named = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    named |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    return named & sync_errors
+
+
+def test_the_protocol_raises_its_own_errors_and_names_no_sync():
+    """Issue 53: the protocol speaks its own errors; a sync's state titles them."""
+    from pathlib import Path
+
+    modules = sorted(Path(core.__file__).parent.glob("*.py"))
+    assert len(modules) >= 6, modules
+    for path in modules:
+        assert sync_errors_named(path.read_text()) == set(), path
+    # negative control: a module raising the ack sync's error is seen
+    assert sync_errors_named(
+        "from ..errors import HiCacheAckSyncError\nraise HiCacheAckSyncError('x')"
+    ) == {"HiCacheAckSyncError"}
+
+
+def test_a_protocol_error_carries_what_was_seen():
+    sync = Sync(MinHub(peer=lambda values: [1, 123, -123]).collective())
+    q = [Ref()]
+    sync.issue({"w": q}, digest=9)
+    with pytest.raises(PeerMismatch) as err:
+        sync.consume_due(lambda name, n: q[:n])
+    seen = err.value.seen
+    assert {"stamp", "group_min", "group_max"} <= set(seen)
+    assert seen["stamp"].digest == 9 and seen["group_min"].protocol == 0
 
 
 def test_the_block_blocks():
@@ -77,7 +119,7 @@ def test_still_queued_counts_only_agreed_entries_at_the_head():
 
 def test_still_queued_rejects_a_reordered_queue():
     a, b, c = Ref(), Ref(), Ref()
-    with pytest.raises(HiCacheAckSyncError, match="FIFO"):
+    with pytest.raises(ProtocolError, match="FIFO"):
         still_queued([a, b, c], [a, c, b])
 
 
@@ -120,9 +162,9 @@ def test_digest_divergence_and_failure_are_sticky():
     sync = Sync(hub.collective())
     sync.issue({"w": []}, digest=5)
     hub.peer = lambda values: [0, *slot(digest=4)]
-    with pytest.raises(HiCacheAckSyncError, match="ranks diverged"):
+    with pytest.raises(PeerMismatch, match="ranks diverged"):
         sync.consume_due(lambda n, k: [])
-    with pytest.raises(HiCacheAckSyncError, match="will not retry"):
+    with pytest.raises(ProtocolError, match="will not retry"):
         sync.issue({"w": []}, digest=5)
 
 
@@ -174,7 +216,7 @@ def _mismatch(peer_slot, depth=1):
     q = [Ref()]
     for _ in range(depth):
         sync.issue({"w": q}, digest=9)
-    with pytest.raises(HiCacheAckSyncError) as err:
+    with pytest.raises(PeerMismatch) as err:
         sync.consume_due(lambda name, n: q[:n])
     assert sync.pending == 0 and sync.failed is err.value
     return str(err.value)
@@ -384,5 +426,5 @@ def test_a_divergence_above_bit_42_is_caught(high_bit):
     hub = MinHub(peer=lambda values: [0, *slot(digest=low)])
     sync = Sync(hub.collective())
     sync.issue({"w": []}, digest=low | (1 << high_bit))
-    with pytest.raises(HiCacheAckSyncError, match="ranks diverged"):
+    with pytest.raises(PeerMismatch, match="ranks diverged"):
         sync.consume_due(lambda name, n: [])

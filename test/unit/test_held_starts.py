@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import pytest
 
@@ -30,9 +30,18 @@ class Key:
         return self.tokens
 
 
+class Ongoing(NamedTuple):
+    """What upstream's _OngoingPrefetch leads with."""
+
+    anchor_node_id: Any
+    prefetch_key: Key
+    host_indices: Any = None
+    operation: Any = None
+
+
 def cache(page_size=2, threshold=4, **reads):
-    """ongoing_prefetch as upstream keeps it: handle -> (anchor, key, ...)."""
-    ongoing = {Handle(rid): (anchor, Key(tokens), None, None) for rid, (anchor, tokens) in
+    """ongoing_prefetch as upstream keeps it: handle -> _OngoingPrefetch."""
+    ongoing = {Handle(rid): Ongoing(anchor, Key(tokens)) for rid, (anchor, tokens) in
                reads.items()}  # fmt: skip
     return SimpleNamespace(
         ongoing_prefetch=ongoing,

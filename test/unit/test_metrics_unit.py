@@ -34,7 +34,7 @@ def test_a_second_label_set_in_one_process_does_not_raise(tmp_path):
 
         def metrics_for(cache):  # what each cache's state makes at init_hicache
             c = cache.metrics_collector
-            return series_for(ACK_COUNTS.metrics_key, c.labels, c)
+            return series_for(ACK_COUNTS, c.labels, c)
 
         a = SimpleNamespace(metrics_collector=SimpleNamespace(
             labels=dict(cache_type="A", tp_rank=0, pp_rank=0, dp_rank=0)))
@@ -160,7 +160,7 @@ def test_a_second_vote_label_set_in_one_process_does_not_raise(tmp_path):
 
         def metrics_for(cache):
             c = cache.metrics_collector
-            return series_for(PREFETCH_VOTES.metrics_key, c.labels, c)
+            return series_for(PREFETCH_VOTES, c.labels, c)
 
         a = SimpleNamespace(metrics_collector=SimpleNamespace(labels=dict(cache_type="A")))
         b = SimpleNamespace(metrics_collector=SimpleNamespace(labels=dict(cache_type="B", m="x")))

@@ -84,7 +84,7 @@ def make_prefetch(make_cache, hub, this_release, install):
         sim.cache.__dict__["_all_reduce"] = all_reduce
         ps.log = EventLog()
         install(events=ps.log, metrics=lambda key, labels, collector: (
-            metrics if key == PREFETCH_VOTES.metrics_key else None))  # fmt: skip
+            metrics if key == PREFETCH_VOTES else None))  # fmt: skip
         init_cache(sim.cache, SimpleNamespace(enable_metrics=metrics is not None))
         ps.state = state_of(sim.cache, "prefetch_votes")
         return ps
@@ -287,7 +287,7 @@ def test_a_policy_the_votes_do_not_know_stays_upstreams_and_says_so(make_prefetc
 def test_pp_and_untested_releases_stand_down(make_prefetch, install):
     ps = make_prefetch()
     ps.cache.__dict__["pp_size"] = 2
-    assert "pp_size=2" in ps.state.eligible(ps.cache).reason
+    assert "pp_size=2" in ps.state.decide(ps.cache).reason
     install(judged=Judged(None))  # no release matched: register() hooks nothing
     for sync in CACHE_SYNCS:
         ps.cache.__dict__.pop(BY_NAME[sync].state_attr, None)

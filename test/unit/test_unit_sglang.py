@@ -15,7 +15,7 @@ from hicache_async_ack.protocol import (
     VOTES_FLAG,
     VOTES_SETTING_FLAG,
     Consumed,
-    PipelinedAckSync,
+    PipelinedReduce,
     Stamp,
 )
 from hicache_async_ack.sglang_plugin import AckCountsState, Collectives, init_cache, state_of
@@ -137,7 +137,7 @@ def test_failed_wait_surfaces_and_is_not_retried(make_cache, hub):
     acks(sim, "write", 1)
     sim.cache.check_hicache_events()
     hub.fail_on_wait = RuntimeError("Connection closed by peer")
-    with pytest.raises(HiCacheAckSyncError, match="HiCache ack sync failed"):
+    with pytest.raises(HiCacheAckSyncError, match="HiCache ack sync: failed"):
         sim.cache.check_hicache_events()
     hub.fail_on_wait = None
     issued = len(hub.issued)
@@ -234,7 +234,7 @@ def test_switch_to_blocking_consumes_pending_first(make_cache, hub):
     # the pending agreement popped 2, the blocking sync counted the 3rd
     assert log[-1][1][:2] == [1, 0]
     assert sim.take_pops() == [("write", u) for u in w]
-    assert state_of(sim.cache, "ack_counts").sync_core.pending == 0
+    assert state_of(sim.cache, "ack_counts").core.pending == 0
 
 
 def test_opt_out_env_keeps_blocking_path(make_cache, hub):
@@ -415,7 +415,7 @@ def test_a_depth_change_while_standing_down_is_logged_and_exported(make_cache, i
 
     drained = Consumed({"ack_write_queue": 0, "ack_load_queue": 0}, {}, 1, depth_change=(1, 2))
 
-    class DepthMovesOnDrain(PipelinedAckSync):
+    class DepthMovesOnDrain(PipelinedReduce):
         def drain(self, head):
             super().drain(head)
             return drained
@@ -437,7 +437,7 @@ def test_a_depth_change_while_standing_down_is_logged_and_exported(make_cache, i
     state = state_of(sim.cache, "ack_counts")
     sim.cache.check_hicache_events()
     sim.cache.check_hicache_events()
-    assert state.sync_core is not None and state.sync_core.pending
+    assert state.core is not None and state.core.pending
     sim.cache.__dict__["host_memory_mode"] = "buffer_only"  # stand down
     caplog.set_level(logging.INFO, logger="sglang.srt.mem_cache.hicache_async_ack")
     sim.cache.check_hicache_events()

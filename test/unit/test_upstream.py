@@ -255,6 +255,30 @@ def test_docs_state_the_tested_range():
     assert span in (ROOT / "docs" / "versions.md").read_text()
 
 
+def test_every_target_says_its_role_and_why_and_the_docs_table_is_generated_from_them():
+    """Issue 53 item 6: one annotated index of upstream; docs/versions.md's table is
+    exactly what the index generates (a target added, or a reason changed, shows)."""
+    from hicache_async_ack_lab.releases import index_in, index_table
+
+    assert len(TARGETS) > 20
+    for t in TARGETS:
+        assert t.roles and set(t.roles) <= {"hooked", "called", "shadowed", "read"}, t
+        assert t.why and t.removal and t.features, t
+    doc = (ROOT / "docs" / "versions.md").read_text()
+    assert index_in(doc) == index_table(), "run `python -m hicache_async_ack_lab.releases index`"
+    # negative control: a doc whose table lacks a row does not match
+    stale = doc.replace(index_table().splitlines()[3] + "\n", "")
+    assert index_in(stale) != index_table()
+    # every hook the features declare is on a target whose role says hooked
+    from hicache_async_ack.sglang_plugin import all_features
+
+    hooked = {f"{h.target.rsplit('.', 1)[1]}.{h.method}" for f in all_features() for h in f.hooks}
+    assert hooked, "no hook declared: the check is broken"
+    for name in hooked:
+        rows = [t for t in TARGETS if t.qualname == name or t.qualname.endswith(f".{name}")]
+        assert rows and "hooked" in rows[0].roles, name
+
+
 # ------------------------------------------------------------- the verdict
 def _probes(fingerprints: dict[str, str]) -> list[upstream.Probe]:
     return [upstream.Probe(t, fingerprints[t.qualname], t.params) for t in TARGETS]
@@ -556,7 +580,11 @@ def fake_wheels(tmp_path, monkeypatch, cache_cls):
 
     others = {
         m: Path(inspect.getsourcefile(importlib.import_module(m)) or "").read_text()
-        for m in ("sglang.srt.managers.schedule_policy", "sglang.srt.managers.scheduler")
+        for m in (
+            "sglang.srt.managers.schedule_policy",
+            "sglang.srt.managers.scheduler",
+            "sglang.srt.mem_cache.unified_cache.unified_tree_core_interface",
+        )
     }
     for version, text in variants.items():
         with zipfile.ZipFile(wheels / f"sglang-{version}-py3-none-any.whl", "w") as z:

@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import inspect
 import sys
-from functools import partial
 
 import pytest
 
-from hicache_async_ack.errors import AdmissionMismatch, PrefetchVoteMismatch
-from hicache_async_ack.names import PREFETCH_VOTES
-from hicache_async_ack.protocol import LAYOUT, OVERFLOW_LAYOUT, VOTE_SLOTS, VoteBook
+from hicache_async_ack.protocol import (
+    LAYOUT,
+    OVERFLOW_LAYOUT,
+    VOTE_SLOTS,
+    BatchMismatch,
+    PeerMismatch,
+    VoteBook,
+)
 
-Book = partial(VoteBook, title=PREFETCH_VOTES.title)
+Book = VoteBook
+PASS = 5  # the pass count a book's caller closes an interval at
 
 
 class Op:
@@ -52,7 +57,7 @@ def read_all(books, n=0, policy="timeout", label=""):
     """Close every book, MIN the sections, read each back. Overflow exchanges
     are reduced across the books in two rounds (a recording round, then the
     real one), as the ranks would run them in lockstep."""
-    out = [b.close(n, policy, label) for b in books]
+    out = [b.close(PASS, n, policy, label) for b in books]
     group = reduced(*(values for values, _ in out))
     assert len(group) == LAYOUT
     record = Group(len(books))
@@ -128,7 +133,7 @@ def test_walks_that_reach_different_requests_past_the_slots_stop_naming_the_posi
         for k in range(300):
             key = ("other", 0) if (rank == 1 and k == 280) else (f"r{k}", 0)
             b.poll(key, Op(key), False)
-    with pytest.raises(PrefetchVoteMismatch, match="different requests at position 281"):
+    with pytest.raises(PeerMismatch, match="different requests at position 281"):
         read_all(books, n=300)
 
 
@@ -155,9 +160,9 @@ def test_an_overflow_exchange_of_another_kind_is_named():
     book = Book()
     for k in range(VOTE_SLOTS + 3):
         book.poll(k, Op(k), False)
-    values, ballot = book.close(0, "timeout")
+    values, ballot = book.close(PASS, 0, "timeout")
     wrong = [0] * OVERFLOW_LAYOUT
-    with pytest.raises(PrefetchVoteMismatch, match="ranks disagree"):
+    with pytest.raises(PeerMismatch, match="ranks disagree"):
         book.read(ballot, values, lambda v: wrong)
 
 
@@ -165,11 +170,11 @@ def test_an_interval_is_voted_on_once_then_starts_afresh():
     book = Book()
     op = Op(0)
     book.poll(0, op, True)
-    first, b1 = book.close(1, "timeout")
-    second, b2 = book.close(1, "timeout")  # not reached in the next walk
+    first, b1 = book.close(PASS, 1, "timeout")
+    second, b2 = book.close(PASS + 1, 1, "timeout")  # not reached in the next walk
     never = lambda v: pytest.fail("no exchange below the slots")  # noqa: E731
     assert stops(book.read(b1, first, never)) == [0] and book.read(b2, second, never) == []
-    assert (b1.pass_no, b2.pass_no) == (0, 1)
+    assert (b1.pass_no, b2.pass_no) == (PASS, PASS + 1)
 
 
 def test_best_effort_stops_what_every_rank_reached():
@@ -191,9 +196,9 @@ def test_best_effort_stops_what_every_rank_reached():
 )
 def test_different_ongoing_counts_or_policies_stop_before_any_verdict(mine, theirs, said):
     a, b = Book(), Book()
-    va, ba = a.close(*mine)
-    vb, _ = b.close(*theirs)
-    with pytest.raises(PrefetchVoteMismatch, match=said):
+    va, ba = a.close(PASS, *mine)
+    vb, _ = b.close(PASS, *theirs)
+    with pytest.raises(PeerMismatch, match=said):
         a.read(ba, reduced(va, vb), lambda v: v)
 
 
@@ -201,9 +206,9 @@ def test_walks_that_reached_different_requests_stop_naming_the_position():
     a, b = Book(), Book()
     a.poll(("r1", 0), Op(1), False)
     b.poll(("r2", 0), Op(2), False)
-    va, ba = a.close(2, "timeout", "of forward 7")
-    vb, _ = b.close(2, "timeout", "of forward 7")
-    with pytest.raises(PrefetchVoteMismatch, match="reached different requests at position 1") as e:
+    va, ba = a.close(PASS, 2, "timeout", "of forward 7")
+    vb, _ = b.close(PASS, 2, "timeout", "of forward 7")
+    with pytest.raises(PeerMismatch, match="reached different requests at position 1") as e:
         a.read(ba, reduced(va, vb), lambda v: v)
     assert "rid='r1'" in str(e.value) and "of forward 7" in str(e.value)
 
@@ -257,7 +262,7 @@ def test_the_cost_check_sees_a_quadratic_walk():
 
     def walk(n):
         def run():
-            book = Scanning(title=PREFETCH_VOTES.title)
+            book = Scanning()
             for k in range(n):
                 book.poll(k, None, False)
 
@@ -307,10 +312,10 @@ def test_different_admissions_stop_naming_the_first_difference(left, right, firs
     for book, admitted in zip(books, (left, right)):
         for rid, prefix, extend in admitted:
             book.admit((rid, 0), prefix, extend)
-    out = [book.close(0, "timeout", "of forward 3") for book in books]
+    out = [book.close(PASS, 0, "timeout", "of forward 3") for book in books]
     group = reduced(*(values for values, _ in out))
     for rank, (book, (_, ballot)) in enumerate(zip(books, out)):
-        with pytest.raises(AdmissionMismatch, match="SGLang #30760") as err:
+        with pytest.raises(BatchMismatch, match="SGLang #30760") as err:
             book.read(ballot, group, lambda v: v)
         msg = str(err.value)
         assert first in msg and "scheduling pass of forward 3" in msg, msg

@@ -299,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     o = sub.add_parser("overlay", help="install one release into a cached folder; print it")
     o.add_argument("release")
     sub.add_parser("tested", help="the tested releases, one a line")
+    sub.add_parser("index", help="docs/versions.md's table of every upstream target")
     return p
 
 
@@ -319,6 +320,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command == "overlay":
             print(overlay(args.release))
             return 0
+        if args.command == "index":
+            print(index_table())
+            return 0
         print("\n".join(upstream.tested_releases()))
         return 0
     except ToolError as exc:
@@ -326,7 +330,37 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
 
 
-__all__ = ["check", "record", "overlay", "fetch"]
+INDEX_BEGIN = "<!-- upstream index: `python -m hicache_async_ack_lab.releases index` -->"
+INDEX_END = "<!-- end of the upstream index -->"
+
+
+def index_table() -> str:
+    """docs/versions.md's table, from the one annotated index (targets.TARGETS), between
+    its markers: each target with its syncs, role, why, upstream PR and removal."""
+    rows = [
+        INDEX_BEGIN,
+        "| target | syncs | role | why | upstream PR | can go |",
+        "|---|---|---|---|---|---|",
+    ]
+    for t in TARGETS:
+        where = t.module.removeprefix("sglang.srt.")
+        scope = " (signature)" if t.scope == upstream.SIGNATURE else ""
+        rows.append(
+            f"| `{t.qualname}` in `{where}`{scope} | {', '.join(t.features)} | "
+            f"{', '.join(t.roles)} | {t.why} | {t.pr or '-'} | {t.removal} |"
+        )
+    rows.append(INDEX_END)
+    return "\n".join(rows)
+
+
+def index_in(text: str) -> str:
+    """The index as a document holds it (from its begin marker to its end marker)."""
+    start, end = text.find(INDEX_BEGIN), text.find(INDEX_END)
+    return text[start : end + len(INDEX_END)] if 0 <= start < end else ""
+
+
+__all__ = ["INDEX_BEGIN", "INDEX_END", "check", "fetch", "index_in", "index_table", "overlay",
+    "record"]  # fmt: skip
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,7 +7,7 @@ template (:mod:`..kit.owner`), its per-cache state and its hooks. Upstream's own
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, Optional, Sequence, cast
 
 from .. import __version__
 from ..env import (
@@ -16,19 +16,18 @@ from ..env import (
     ENABLE_VAR,
     PLUGINS_VAR,
     PREFETCH_VOTES_VAR,
-    Settings,
     read_settings,
 )
 from ..errors import HiCacheAckSyncError
 from ..guard import CACHE_CLASS
 from ..kit.decision import Decision, blocking, missing_attrs, untested_release
-from ..kit.environment import Environment, environment
-from ..kit.feature import Feature, feature_release, state_class
+from ..kit.environment import Environment
+from ..kit.feature import Feature, feature_release
 from ..kit.groups import group_decision, no_span_reason
-from ..kit.hooks import Fn, unhooked
+from ..kit.hooks import Fn
 from ..kit.owner import OwnerState, Pops
+from ..kit.views import Cache, Controller, SyncMetrics
 from ..names import (
-    ACK,
     ACK_COUNTS,
     ACK_QUEUES,
     EXTRA_POOL_QUEUES,
@@ -41,6 +40,9 @@ from ..protocol.reduce import Consumed
 from ..protocol.stamp import PROTOCOL_VERSION, STORAGE_FLAG
 from ..protocol.votes import VOTES_PROTOCOL
 from ..wire import protocol_hint
+
+if TYPE_CHECKING:  # imported only where metrics are on (metrics.py says why)
+    from ..metrics import AckSyncMetrics
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -78,7 +80,7 @@ STORAGE_WITHOUT_VOTES = blocking(
 LINKER = blocking("external cache linker attached", "linker")
 
 
-def static_decision(cache: Any, release: Optional[str], env: Environment) -> Decision:
+def static_decision(cache: Cache, release: Optional[str], env: Environment) -> Decision:
     """The part of eligibility fixed for the cache's lifetime (its groups)."""
     return (
         untested_release(release, "the ack sync's upstream methods")
@@ -87,7 +89,7 @@ def static_decision(cache: Any, release: Optional[str], env: Environment) -> Dec
     )
 
 
-def queue_entries(q: Any) -> list[Any]:
+def queue_entries(q: Any) -> list[object]:
     """Every entry of a storage queue.Queue, under its mutex (size and refs at once)."""
     if q is None:
         return []
@@ -95,14 +97,14 @@ def queue_entries(q: Any) -> list[Any]:
         return list(q.queue)
 
 
-def ready_entries(cache: Any, storage: bool) -> tuple[dict[Hashable, list[Any]], int]:
+def ready_entries(cache: Cache, storage: bool) -> tuple[dict[Hashable, list[object]], int]:
     """Entries ready now per queue, in upstream's tensor order (fresh lists), and the
     reclaim digest; with ``storage`` (the agreed layout) the storage queues too (empty
     while this rank's storage is off)."""
-    cc = cache.cache_controller
+    cc = cast(Controller, cache.cache_controller)  # dynamic_blocker: attached
     count = cache._count_ready_acks
     w, ld = cc.ack_write_queue, cc.ack_load_queue
-    ready: dict[Hashable, list[Any]] = {
+    ready: dict[Hashable, list[object]] = {
         ACK_QUEUES[0]: w[: count(w)],
         ACK_QUEUES[1]: ld[: count(ld)],
     }
@@ -124,21 +126,20 @@ def upstream_counts(pops: Optional[Pops]) -> tuple[int, int, tuple[int, ...], tu
     return pops[ACK_QUEUES[0]], pops[ACK_QUEUES[1]], storage, extra
 
 
-class AckCountsState(OwnerState):
-    """What is kept per UnifiedRadixCache (``blocker``: blocking for its lifetime)."""
+class AckCountsState(OwnerState[Cache]):
+    """What is kept per UnifiedRadixCache (``blocker``: blocking for its lifetime; the
+    settings are read when it is built)."""
 
     sync = ACK_COUNTS
-    error = HiCacheAckSyncError
 
-    def __init__(self, cache: Any, settings: Settings, release: Optional[str],
-                 blocker: Optional[Decision], env: Environment) -> None:  # fmt: skip
+    def __init__(self, cache: Cache, blocker: Optional[Decision], env: Environment) -> None:
+        release = feature_release(self.sync.name)
         super().__init__(blocker or static_decision(cache, release, env), env)
-        self.settings = settings
+        self.settings = settings = read_settings()
         if self.static.pipelined:
-            self.sync_core = self.core_class(
+            self.core = self.core_class(
                 env.collectives.async_min(self.static.group),
                 settings.depth,
-                title=self.sync.title,
                 auto=AutoDepth(hi=DEPTH_MAX) if settings.auto else None,
                 hints=MISMATCH_HINTS,
                 clock=env.clock,
@@ -148,12 +149,12 @@ class AckCountsState(OwnerState):
         self.due: Optional[Pops] = None
         self.due_taken = False  # upstream asked for this step's counts already
 
-    def decide(self, cache: Any) -> Decision:
+    def decide(self, cache: Cache) -> Decision:
         if not self.settings.enabled:
             return blocking(f"{ENABLE_VAR}=0", "disabled_by_env")
         return super().decide(cache)
 
-    def dynamic_blocker(self, cache: Any) -> Optional[Decision]:
+    def dynamic_blocker(self, cache: Cache) -> Optional[Decision]:
         """Per-step conditions forcing the blocking path (a linker first)."""
         if cache.linker is not None:
             return LINKER
@@ -177,8 +178,13 @@ class AckCountsState(OwnerState):
         return None
 
     def path_metrics(self, decision: Decision) -> None:
-        now = self.sync_core.depth if self.sync_core else 0
-        self.metrics.on_path(decision.pipelined, now, decision.world_size)
+        now = self.core.depth if self.core else 0
+        if self.metrics is not None:
+            self.ack_metrics().on_path(decision.pipelined, now, decision.world_size)
+
+    def ack_metrics(self) -> "AckSyncMetrics":
+        """The metrics as the ack counts' own series (a test's sink takes the same calls)."""
+        return cast("AckSyncMetrics", self.metrics)
 
     def pipelined_details(self, decision: Decision) -> Sequence[str]:
         depth = f"auto from {self.settings.depth}" if self.settings.auto else self.settings.depth
@@ -193,32 +199,31 @@ class AckCountsState(OwnerState):
         where = "" if pipelined else ", while standing down"
         logger.info("%s: auto depth %d -> %d (%s%s)", self.sync.title, before, after, why, where)
         if self.metrics is not None:
-            self.metrics.on_path(pipelined, after)
+            self.ack_metrics().on_path(pipelined, after)
 
-    def local_flags(self, cache: Any) -> int:
+    def local_flags(self, cache: Cache) -> int:
         return int(bool(cache.enable_storage)) << STORAGE_FLAG | super().local_flags(cache)
 
-    def first_exchange(self, cache: Any) -> bool:
+    def first_exchange(self, cache: Cache) -> bool:
         """One blocking exchange of the stamp and flags in upstream's shape and groups
         (so a stock peer pairs with it and is named); then, with CP x TP, the span check."""
-        assert self.sync_core is not None
+        assert self.core is not None
         ready, digest = ready_entries(cache, bool(cache.enable_storage))
         reduce = self.collectives.blocking_min(cache)
         flags = self.local_flags(cache)
-        self.layout = self.sync_core.first_exchange(len(ready), digest, reduce, flags)
+        self.layout = self.core.first_exchange(len(ready), digest, reduce, flags)
         self.agreed = True
         span = self.static.span
         if span is not None and self.collectives.span(cache, *span) is None:
-            names = self.static.reason.removeprefix("TP group, equal to ")
-            self.static = blocking(no_span_reason(names), "no_span")
-            self.sync_core = None
+            self.static = blocking(no_span_reason(self.static.groups), "no_span")
+            self.core = None
             return False
         return True
 
-    def ready(self, cache: Any) -> tuple[Mapping[Hashable, Sequence[object]], int]:
+    def ready(self, cache: Cache) -> tuple[Mapping[Hashable, Sequence[object]], int]:
         return ready_entries(cache, bool(self.layout >> STORAGE_FLAG & 1))
 
-    def pop(self, cache: Any, pops: Pops) -> None:
+    def pop(self, cache: Cache, pops: Pops) -> None:
         """Pop an agreement's counts through upstream's own methods."""
         write, load, storage, extra = upstream_counts(pops)
         cache.writing_check(finish_count=write)
@@ -233,7 +238,7 @@ class AckCountsState(OwnerState):
                 log_metrics=True,
             )
 
-    def run(self, cache: Any, original: Callable[..., Any], args: tuple[Any, ...],
+    def run(self, cache: Cache, original: Callable[..., Any], args: tuple[Any, ...],
             kwargs: dict[str, Any], due: Optional[Consumed]) -> Any:  # fmt: skip
         """Upstream's check_hicache_events, its counts answered from ``due``."""
         self.due, self.due_taken = (None if due is None else due.pops), False
@@ -243,7 +248,7 @@ class AckCountsState(OwnerState):
         finally:
             self.in_pipelined_step, self.due = False, None
 
-    def ready_counts(self, cache: Any, original: Callable[..., Any]) -> Any:
+    def ready_counts(self, cache: Cache, original: Callable[[Cache], Any]) -> Any:
         """_sync_hicache_ready_counts: in a pipelined step the consumed agreement, once."""
         if not self.in_pipelined_step:
             return original(cache)
@@ -258,24 +263,17 @@ class AckCountsState(OwnerState):
         self.due_taken = True
         return upstream_counts(self.due)
 
-    def cache_metrics(self, cache: Any) -> Any:
+    def cache_metrics(self, cache: object) -> Optional[SyncMetrics]:
         """The cache's series, the extra host pools' queues at 0 too."""
         metrics = super().cache_metrics(cache)
         pools = getattr(getattr(cache, "cache_controller", None), EXTRA_POOL_QUEUES, {})
-        if metrics is not None and pools:
-            metrics.add_queues(ExtraPool(pool) for pool in pools)
+        adds = getattr(metrics, "add_queues", None)  # a test's sink may have none
+        if adds is not None and pools:
+            adds(ExtraPool(pool) for pool in pools)
         return metrics
 
 
-def build(cache: Any) -> AckCountsState:
-    """The cache's state (settings read now); blocking where its hooks are not in place."""
-    problem = unhooked(type(cache), FEATURE.hooked_on(CACHE_CLASS), ACK)
-    blocker = blocking(problem, "hooks_missing") if problem else None
-    cls = state_class(ACK_COUNTS, AckCountsState)
-    return cls(cache, read_settings(), feature_release(ACK), blocker, environment())
-
-
-FEATURE = Feature(ACK_COUNTS, build)
+FEATURE = Feature(ACK_COUNTS, AckCountsState, CACHE_CLASS)
 
 
 # ------------------------------------------------------------------------ hooks
@@ -285,7 +283,7 @@ FEATURE = Feature(ACK_COUNTS, build)
 
 
 @FEATURE.hook(CACHE_CLASS, "init_hicache", "AFTER")
-def after_init_hicache(result: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
+def after_init_hicache(result: object, cache: Cache, *args: object, **kwargs: object) -> Any:
     """init_hicache, AFTER.
     Why: the per-cache decision needs the controller and groups init builds.
     How: builds the state from local facts (no collective), metrics; the path is logged
@@ -296,7 +294,7 @@ def after_init_hicache(result: Any, cache: Any, *args: Any, **kwargs: Any) -> An
 
 
 @FEATURE.hook(CACHE_CLASS, "check_hicache_events", "AROUND")
-def around_check_hicache_events(original: Fn, cache: Any, *args: Any, **kwargs: Any) -> Any:
+def around_check_hicache_events(original: Fn, cache: Cache, *args: object, **kwargs: object) -> Any:
     """check_hicache_events, AROUND.
     Why: the blocking all_reduce inside it sits right before the next forward.
     How: the owner template's step: first exchange once; consume, upstream, issue.
@@ -305,7 +303,9 @@ def around_check_hicache_events(original: Fn, cache: Any, *args: Any, **kwargs: 
 
 
 @FEATURE.hook(CACHE_CLASS, "_sync_hicache_ready_counts", "AROUND")
-def around_sync_hicache_ready_counts(original: Fn, cache: Any, *args: Any, **kwargs: Any) -> Any:
+def around_sync_hicache_ready_counts(
+    original: Fn, cache: Cache, *args: object, **kwargs: object
+) -> Any:
     """_sync_hicache_ready_counts, AROUND.
     Why: upstream's check takes its counts from here: the blocking reduce runs here.
     How: in a pipelined step returns the consumed agreement, once (twice raises).

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
+from typing import Any, Callable, Hashable, Mapping, Optional, Sequence, cast
 
-from ..env import ENABLE_VAR, OFFLOAD_SYNC_VAR, offload_sync_enabled
+from ..env import ENABLE_VAR, OFFLOAD_SYNC_VAR
 from ..errors import OffloadSyncError, OffloadSyncMismatch
 from ..guard import MANAGER_CLASS
 from ..kit.decision import Decision, blocking, untested_release
-from ..kit.environment import Environment, environment
-from ..kit.feature import Feature, feature_release, state_class
+from ..kit.environment import Environment
+from ..kit.feature import Feature, feature_release
 from ..kit.hooks import Fn
 from ..kit.owner import OwnerState, Pops
-from ..names import DECODE_OFFLOAD, OFFLOAD, OFFLOAD_QUEUES
+from ..kit.views import OffloadController, OffloadManager
+from ..names import DECODE_OFFLOAD, OFFLOAD_QUEUES
 from ..protocol.stamp import OFFLOAD_CODE
 from ..wire import protocol_hint
 
@@ -33,7 +34,7 @@ STOCK_HINT = (
 DRAINING = blocking("drain_before_retraction (pops everything now)", "draining")
 
 
-def static_decision(manager: Any, release: Optional[str]) -> Decision:
+def static_decision(manager: OffloadManager, release: Optional[str]) -> Decision:
     untested = untested_release(release, "DecodeKVCacheOffloadManager's methods")
     if untested is not None:
         return untested
@@ -49,32 +50,32 @@ def static_decision(manager: Any, release: Optional[str]) -> Decision:
     return Decision(True, "TP group", group=manager.tp_group, world_size=ws)
 
 
-class OffloadSyncState(OwnerState):
-    """What is kept per DecodeKVCacheOffloadManager."""
+class OffloadSyncState(OwnerState[OffloadManager]):
+    """What is kept per DecodeKVCacheOffloadManager (its setting read when built, at the
+    manager's first step)."""
 
     sync = DECODE_OFFLOAD
-    error = OffloadSyncError
     exchange_while_blocking = True
 
-    def __init__(self, manager: Any, enabled: bool, release: Optional[str],
-                 env: Environment) -> None:  # fmt: skip
-        super().__init__(static_decision(manager, release), env)
-        self.enabled = enabled
+    def __init__(
+        self, manager: OffloadManager, blocker: Optional[Decision], env: Environment
+    ) -> None:
+        release = feature_release(self.sync.name)
+        super().__init__(blocker or static_decision(manager, release), env)
+        self.enabled = self.sync.setting.read()
         if self.static.pipelined:
-            self.sync_core = self.core_class(
+            self.core = self.core_class(
                 env.collectives.async_min(manager.tp_group),
                 1,
-                title=self.sync.title,
                 hints={"stock": STOCK_HINT, "protocol": protocol_hint()},
                 clock=env.clock,
-                errors=(OffloadSyncError, OffloadSyncMismatch),
             )
         self.draining = False  # inside drain_before_retraction: upstream's path
         if self.static.pipelined and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             # SGLang's metrics are on; the manager has no metrics flag nor collector
             self.metrics = self.make_metrics({"tp_rank": self.collectives.rank(manager.tp_group)})
 
-    def dynamic_blocker(self, manager: Any) -> Optional[Decision]:
+    def dynamic_blocker(self, manager: OffloadManager) -> Optional[Decision]:
         if not self.enabled:
             return blocking(f"{OFFLOAD_SYNC_VAR}=0", "feature_disabled_by_env")
         return DRAINING if self.draining else None
@@ -86,7 +87,7 @@ class OffloadSyncState(OwnerState):
     def pipelined_details(self, decision: Decision) -> Sequence[str]:
         return (f"world size {decision.world_size}, depth 1",)
 
-    def first_exchange(self, manager: Any) -> bool:
+    def first_exchange(self, manager: OffloadManager) -> bool:
         """Once, blocking, in upstream's layout: see the module docstring."""
         s = OFFLOAD_CODE + int(self.enabled)
         try:
@@ -110,19 +111,19 @@ class OffloadSyncState(OwnerState):
         self.agreed = True
         return True
 
-    def ready(self, manager: Any) -> tuple[Mapping[Hashable, Sequence[object]], int]:
+    def ready(self, manager: OffloadManager) -> tuple[Mapping[Hashable, Sequence[object]], int]:
         """Every queued entry (upstream counts them all, finished or not)."""
         writes, backups = OFFLOAD_QUEUES
-        cc = manager.cache_controller
+        cc = cast(OffloadController, manager.cache_controller)  # static_decision: present
         every_backup = self.head(manager)(backups, sys.maxsize)
         return {writes: list(cc.ack_write_queue), backups: every_backup}, 0
 
-    def pop(self, manager: Any, pops: Pops) -> None:
+    def pop(self, manager: OffloadManager, pops: Pops) -> None:
         manager._check_offload_progress(pops.get(OFFLOAD_QUEUES[0], 0))
         manager._check_backup_progress(pops.get(OFFLOAD_QUEUES[1], 0))
 
-    def drain_before_retraction(self, manager: Any, original: Callable[..., Any],
-                                *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+    def drain_before_retraction(self, manager: OffloadManager, original: Callable[..., Any],
+                                *args: object, **kwargs: object) -> Any:  # fmt: skip
         """A retraction must see every offload popped: upstream's blocking path runs."""
         self.draining = True
         try:
@@ -132,13 +133,7 @@ class OffloadSyncState(OwnerState):
         return result
 
 
-def build(manager: Any) -> OffloadSyncState:
-    """The manager's state (the setting read at its first step)."""
-    cls = state_class(DECODE_OFFLOAD, OffloadSyncState)
-    return cls(manager, offload_sync_enabled(), feature_release(OFFLOAD), environment())
-
-
-FEATURE = Feature(DECODE_OFFLOAD, build)
+FEATURE = Feature(DECODE_OFFLOAD, OffloadSyncState, MANAGER_CLASS)
 
 
 # ------------------------------------------------------------------------ hooks
@@ -148,7 +143,9 @@ FEATURE = Feature(DECODE_OFFLOAD, build)
 
 
 @FEATURE.hook(MANAGER_CLASS, "check_offload_progress", "AROUND")
-def around_check_offload_progress(original: Fn, manager: Any, *args: Any, **kwargs: Any) -> Any:
+def around_check_offload_progress(
+    original: Fn, manager: OffloadManager, *args: object, **kwargs: object
+) -> Any:
     """check_offload_progress, AROUND.
     Why: a blocking MIN all_reduce of the two queue sizes every decode step.
     How: the owner template's step: agreement once; consume, pop by identity, issue.
@@ -157,7 +154,9 @@ def around_check_offload_progress(original: Fn, manager: Any, *args: Any, **kwar
 
 
 @FEATURE.hook(MANAGER_CLASS, "drain_before_retraction", "AROUND")
-def around_drain_before_retraction(original: Fn, manager: Any, *args: Any, **kwargs: Any) -> Any:
+def around_drain_before_retraction(
+    original: Fn, manager: OffloadManager, *args: object, **kwargs: object
+) -> Any:
     """drain_before_retraction, AROUND.
     Why: a retraction must find every offload popped, as upstream leaves it.
     How: its check_offload_progress runs upstream's blocking path (after a drain).

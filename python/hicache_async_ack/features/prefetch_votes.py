@@ -16,25 +16,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, Optional, Sequence, cast
 
-from ..env import (
-    ENABLE_VAR,
-    PREFETCH_VOTES_VAR,
-    READ_ONCE_VAR,
-    prefetch_votes_enabled,
-    read_once_enabled,
-)
+from ..env import ENABLE_VAR, PREFETCH_VOTES_VAR, READ_ONCE_VAR, read_once_enabled
 from ..errors import PrefetchVoteError, PrefetchVoteMismatch
 from ..guard import CACHE_CLASS
 from ..kit.collectives import ride_ready_counts, upstream_count_slots
 from ..kit.decision import Decision, blocking, missing_attrs, untested_release
-from ..kit.environment import Environment, environment
-from ..kit.feature import Feature, FeatureState, feature_release, state_class
+from ..kit.environment import Environment
+from ..kit.feature import Carrier, Feature, FeatureState, feature_release, state_of
 from ..kit.groups import group_decision
-from ..kit.hooks import unhooked
-from ..kit.owner import Carrier
-from ..names import ACK, BEST_EFFORT, LOGGER_NAME, PREFETCH_VOTES, STOP_POLICIES, TIMEOUT, VOTES
+from ..kit.views import Cache, Operation, Request
+from ..names import ACK, BEST_EFFORT, LOGGER_NAME, PREFETCH_VOTES, STOP_POLICIES, TIMEOUT
+from ..protocol.errors import ProtocolError
 from ..protocol.stamp import (
     PROTOCOL_VERSION,
     READ_ONCE_FLAG,
@@ -47,9 +41,11 @@ from ..protocol.stamp import (
 )
 from ..protocol.votes import VOTE_SLOTS, VOTES_PROTOCOL, Ballot, Exchange, VoteBook
 from ..wire import protocol_hint
-from . import ack_counts
 from .vote_landing import PREDICATE, Landing, operation_key
 from .vote_starts import READ_ONCE, Remainder, Start, Starts
+
+if TYPE_CHECKING:  # imported only where metrics are on (metrics.py says why)
+    from ..metrics import PrefetchVoteMetrics
 
 logger = logging.getLogger(LOGGER_NAME)
 REQUIRED_ATTRS = ("ongoing_prefetch", "prefetch_stop_policy", "pp_rank", "enable_storage")
@@ -79,7 +75,7 @@ SCHEDULER_CLASS = "sglang.srt.managers.scheduler.Scheduler"
 
 
 def static_decision(
-    cache: Any, release: Optional[str], blocker: Optional[Decision], env: Environment
+    cache: Cache, release: Optional[str], blocker: Optional[Decision], env: Environment
 ) -> Decision:
     """The votes need a group that runs a collective (as for the ack counts)."""
     return (
@@ -100,9 +96,8 @@ class PrefetchVoteState(FeatureState):
     layout_bit = VOTES_FLAG
     landing_class: type[Landing] = Landing
 
-    def __init__(self, cache: Any, enabled: bool, release: Optional[str],
-                 blocker: Optional[Decision], env: Environment,
-                 read_once: bool = False) -> None:  # fmt: skip
+    def __init__(self, cache: Cache, blocker: Optional[Decision], env: Environment) -> None:
+        release = feature_release(self.sync.name)
         super().__init__(static_decision(cache, release, blocker, env), env)
         sink = env.events
         self.emit: Callable[..., None] = (
@@ -110,12 +105,13 @@ class PrefetchVoteState(FeatureState):
             if sink is None
             else (lambda kind, **fields: sink(kind, pass_no=self.passes, **fields))
         )
-        self.enabled = enabled
-        self.read_once = enabled and read_once  # the votes off, nothing of theirs runs
-        self.book = VoteBook(title=self.sync.title, hints=MISMATCH_HINTS)
+        self.enabled = self.sync.setting.read()
+        # the votes off, nothing of theirs runs (their read-once setting is not read)
+        self.read_once = self.enabled and read_once_enabled()
+        self.book = VoteBook(hints=MISMATCH_HINTS)
         self.landing = self.landing_class(self.emit)
         self.starts = Starts(self.emit)
-        self.passes = 0  # check_hicache_events calls seen (the same on every rank)
+        self.passes = 0  # pass boundaries seen (the same on every rank): the one counter
         self.mode: Optional[str] = None  # this pass's carrier
         self.active = False  # this interval rides a section (its walk is held)
         self.closed_at = -1  # the pass whose boundary closed (or dropped) the interval
@@ -123,7 +119,7 @@ class PrefetchVoteState(FeatureState):
         self.interval_label: Optional[str] = None  # ... the pass whose interval is open
         self.said_overflow = False
 
-    def dynamic_blocker(self, cache: Any) -> Optional[Decision]:
+    def dynamic_blocker(self, cache: Cache) -> Optional[Decision]:
         """Why no section holds this pass's walk (the setting aside; shared by all ranks)."""
         if getattr(cache, "linker", None) is not None:  # first: it takes the controller's place
             return blocking("external cache linker attached (no ack-count reduce)", "linker")
@@ -144,20 +140,18 @@ class PrefetchVoteState(FeatureState):
             )
         return None
 
-    def eligible(self, cache: Any) -> Decision:
-        return super().decide(cache)
+    def rides(self, cache: Cache) -> bool:
+        """Whether this pass's section rides (its setting on, nothing blocking it)."""
+        return self.enabled and super().decide(cache).pipelined
 
-    def rides(self, cache: Any) -> bool:
-        return self.enabled and self.eligible(cache).pipelined
-
-    def decides_walk(self, cache: Any) -> bool:
+    def decides_walk(self, cache: Cache) -> bool:
         """Whether the votes, not upstream's per-request reduce, judge this cache's walks
         wherever its carrier pipelines (the ack counts pipeline storage only then)."""
         return self.enabled and self.static.pipelined
 
-    def decide(self, cache: Any) -> Decision:
+    def decide(self, cache: Cache) -> Decision:
         """This pass's path, once its boundary is done."""
-        eligible = self.eligible(cache)
+        eligible = super().decide(cache)
         if not eligible.pipelined:
             return eligible
         if not self.enabled:
@@ -173,33 +167,43 @@ class PrefetchVoteState(FeatureState):
             how = "riding upstream's blocking ack-count reduce; decisions one pass late"
         return (f"world size {decision.world_size}", how, "no collective per request")
 
-    def failed(self, exc: PrefetchVoteError) -> None:  # type: ignore[override]
-        self.active = False
-        super().failed(exc)
+    def launch_decision(self, cache: Cache, carrier_pipelines: bool) -> Decision:
+        """The path once the group agreed on a carrier that pipelines or not (doctor: a
+        launch judged before it runs)."""
+        self.mode = carrier_mode(carrier_pipelines)
+        return super().decide(cache) if self.enabled else self.decide(cache)
 
-    def begin_pass(self, cache: Any, carrier: Carrier) -> None:
+    def failed(self, exc: Exception) -> None:
+        self.active = False
+        super().failed(cast(PrefetchVoteError, exc))
+
+    def vote_metrics(self) -> Optional["PrefetchVoteMetrics"]:
+        """The metrics as the votes' own series (a test's sink takes the same calls)."""
+        return cast(Optional["PrefetchVoteMetrics"], self.metrics)
+
+    def begin_pass(self, cache: Cache, carrier: Carrier) -> None:
         """Before check_hicache_events: release the last pass's pins, pick the carrier
         (with upstream's, the votes' first exchange once)."""
         self.passes += 1
         self.landing.pins.release_all(cache)
         self.run_starts(cache, self.starts.landed(cache) if cache.enable_storage
                         else self.starts.every())  # fmt: skip
-        self.mode = RIDE_ACK if carrier.pipelines(cache) else RIDE_UPSTREAM
-        if self.mode == RIDE_UPSTREAM and not self.agreed and self.eligible(cache).pipelined:
+        self.mode = carrier_mode(carrier.pipelines(cache))
+        if self.mode == RIDE_UPSTREAM and not self.agreed and super().decide(cache).pipelined:
             try:
                 self.first_exchange(cache)
             except PrefetchVoteError as exc:
                 self.failed(exc)
                 raise
 
-    def end_pass(self, cache: Any) -> None:
+    def end_pass(self, cache: Cache) -> None:
         """After check_hicache_events: drop an interval no section carried."""
         if self.closed_at != self.passes:
             self.no_section(cache)
         self.run_starts(cache, self.starts.landed(cache))  # reads retired in the pops
         self.announce(self.decide(cache))
 
-    def reach(self, cache: Any, original: Callable[..., Any], operation: Any) -> bool:
+    def reach(self, cache: Cache, original: Callable[..., Any], operation: Operation) -> bool:
         """_can_terminate_prefetch: while a stop is applied, yes for that operation; in a
         held walk, note the reach and this rank's vote and answer "not yet"."""
         applying = self.landing.applying
@@ -214,13 +218,13 @@ class PrefetchVoteState(FeatureState):
         self.emit("reach", key=key, expired=expired)
         return False
 
-    def admit(self, req: Any, prefix_len: int) -> None:
+    def admit(self, req: Request, prefix_len: int) -> None:
         """A request joined the batch with ``prefix_len`` cached tokens."""
         if self.active:
             extend = int(getattr(req, "extend_end", prefix_len) or prefix_len) - int(prefix_len)
             self.book.admit(operation_key(req.cache_request_handle), prefix_len, extend)
 
-    def start(self, cache: Any, run: Callable[[], Any], handle: Any, want: Remainder) -> Any:
+    def start(self, cache: Cache, run: Callable[[], Any], handle: Hashable, want: Remainder) -> Any:
         """prefetch_from_storage: runs now, or is held (:mod:`.vote_starts`)."""
         starts = self.starts
         if starts.rerun is not None and starts.rerun == handle:  # a held start runs now
@@ -229,15 +233,18 @@ class PrefetchVoteState(FeatureState):
         if not self.active or cache.host_memory_mode != "cache" or handle in cache.ongoing_prefetch:
             return run()  # no section carries this interval, no read lands in the tree, or
             # its own read is in flight (upstream returns at once)
-        held = starts.choose(cache, handle, want, self.read_once, self.book.walks)
+        # a start outside a boundary is of the interval the next boundary closes
+        held = starts.choose(cache, handle, want, self.read_once, self.passes + 1)
         if held is None:
             return run()
         starts.hold(held)
-        if self.metrics is not None:
-            self.metrics.on_hold(held.why)
+        metrics = self.vote_metrics()
+        if metrics is not None:
+            metrics.on_hold(held.why)
         return None
 
-    def progress(self, cache: Any, original: Callable[..., bool], handle: Any) -> bool:
+    def progress(self, cache: Cache, original: Callable[[Cache, Hashable], bool],
+                 handle: Hashable) -> bool:  # fmt: skip
         """check_prefetch_progress: a held start's request is not ready; a read that
         lands here releases the starts waiting on it, before anything can evict it."""
         if self.starts.is_held(handle):
@@ -248,46 +255,44 @@ class PrefetchVoteState(FeatureState):
             self.run_starts(cache, self.starts.landed(cache))
         return done
 
-    def aborted(self, cache: Any, handle: Any) -> None:
+    def aborted(self, cache: Cache, handle: Hashable) -> None:
         """release_aborted_request ran: a held start is dropped, a read's waiters run."""
         self.starts.drop(handle)
         self.run_starts(cache, self.starts.landed(cache))
 
-    def run_starts(self, cache: Any, due: Sequence[Start]) -> None:
+    def run_starts(self, cache: Cache, due: Sequence[Start]) -> None:
         """Run released starts in the order they were held, on the state as it is."""
+        metrics = self.vote_metrics()
         for start in due:
             asked = self.starts.run(start)
-            if self.metrics is not None and start.why == READ_ONCE:
-                self.metrics.on_read_once(0 if asked is None else max(0, start.tokens - asked))
+            if metrics is not None and start.why == READ_ONCE:
+                metrics.on_read_once(0 if asked is None else max(0, start.tokens - asked))
 
-    def local_flags(self, cache: Any) -> int:
+    def local_flags(self, cache: Cache) -> int:
         return (int(self.rides(cache)) << VOTES_FLAG | int(self.enabled) << VOTES_SETTING_FLAG
                 | int(self.read_once) << READ_ONCE_FLAG)  # fmt: skip
 
-    def take(self, cache: Any, token: object, reduced: Sequence[int], carrier: Carrier) -> None:
+    def take(self, cache: Cache, token: object, reduced: Sequence[int], carrier: Carrier) -> None:
         """A section came back reduced (riding the ack counts' reduce)."""
         self.land(cache, token, reduced, carrier.exchange)
 
-    def land(self, cache: Any, token: object, reduced: Sequence[int], exchange: Exchange) -> None:
+    def land(self, cache: Cache, token: object, reduced: Sequence[int], exchange: Exchange) -> None:
         """Check the agreement and make the stops, before this boundary's pops
         (``exchange``: the overflow exchanges)."""
         assert isinstance(token, Ballot)
-        try:
-            verdicts = self.book.read(token, reduced, exchange)
-        except PrefetchVoteError as exc:
-            self.failed(exc)
-            raise
+        verdicts = self.book.read(token, reduced, exchange)  # its carrier titles its errors
         stopped = self.landing.apply(cache, verdicts)
-        if self.metrics is not None and stopped:
-            self.metrics.on_stop(stopped)
+        metrics = self.vote_metrics()
+        if metrics is not None and stopped:
+            metrics.on_stop(stopped)
         self.run_starts(cache, self.starts.due(token.pass_no))
 
-    def section(self, cache: Any) -> tuple[list[int], object]:
+    def section(self, cache: Cache) -> tuple[list[int], object]:
         """Close this interval into the section the next reduce carries."""
         t0 = time.perf_counter()
         reaches = len(self.book.reaches)
         values, ballot = self.book.close(
-            len(cache.ongoing_prefetch), cache.prefetch_stop_policy, self.pass_label()
+            self.passes, len(cache.ongoing_prefetch), cache.prefetch_stop_policy, self.pass_label()
         )
         self.active = True
         self.closed_at = self.passes
@@ -304,24 +309,24 @@ class PrefetchVoteState(FeatureState):
                 "sglang:hicache_prefetch_votes_fallback_reaches_total; said once per cache)",
                 self.sync.title, ballot.label, reaches, past, VOTE_SLOTS, VOTE_SLOTS,
             )  # fmt: skip
-        if self.metrics is not None:
-            self.metrics.on_pass(None, time.perf_counter() - t0, reaches, past)
+        metrics = self.vote_metrics()
+        if metrics is not None:
+            metrics.on_pass(None, time.perf_counter() - t0, reaches, past)
         return values, ballot
 
-    def no_section(self, cache: Any) -> None:
-        dropped = self.book.walks
+    def no_section(self, cache: Cache) -> None:
         self.book.discard()
-        self.run_starts(cache, self.starts.due(dropped))
+        self.run_starts(cache, self.starts.due(self.passes))
         self.active = False
         self.closed_at = self.passes
         self.interval_label = self.label
 
     def pass_label(self) -> str:
         """The interval being closed, as the scheduler numbers its pass."""
-        walk = self.book.walks
-        return self.interval_label or f"#{walk} (this cache's check_hicache_events #{walk})"
+        n = self.passes
+        return self.interval_label or f"#{n} (this cache's check_hicache_events #{n})"
 
-    def first_exchange(self, cache: Any) -> None:
+    def first_exchange(self, cache: Cache) -> None:
         """The votes' own first exchange (upstream's carrier), once: a blocking reduce in
         upstream's ack-count shape (``[on, -on, 0, ...]``, then the stamp where upstream
         sends its digest), so a stock peer or one with the votes off is named."""
@@ -355,7 +360,7 @@ class PrefetchVoteState(FeatureState):
             )
         self.agreed = True
 
-    def ride_upstream(self, cache: Any, original: Callable[..., Any]) -> Any:
+    def ride_upstream(self, cache: Cache, original: Callable[[Cache], Any]) -> Any:
         """_sync_hicache_ready_counts with upstream's carrier: the section rides its
         blocking reduce; the stops land before upstream pops."""
         if (
@@ -377,43 +382,21 @@ class PrefetchVoteState(FeatureState):
         except PrefetchVoteError as exc:
             self.failed(exc)
             raise
-        self.land(cache, ballot, reduced, self.collectives.blocking_min(cache))
+        try:
+            self.land(cache, ballot, reduced, self.collectives.blocking_min(cache))
+        except ProtocolError as exc:  # no owner's step around this one: titled here
+            raise self.fail(exc) from exc
         return result
 
 
-def build(cache: Any) -> PrefetchVoteState:
-    """The cache's vote state (setting read now), a rider of the ack counts' state."""
-    problem = unhooked(type(cache), FEATURE.hooked_on(CACHE_CLASS), VOTES)
-    problem = problem or admission_hooks_missing()
-    blocker = blocking(problem, "hooks_missing") if problem else None
-    cls = state_class(PREFETCH_VOTES, PrefetchVoteState)
-    votes = prefetch_votes_enabled()
-    state = cls(cache, votes, feature_release(VOTES), blocker, environment(),
-                read_once=votes and read_once_enabled())  # fmt: skip
-    carrier(cache).add_rider(state)
-    return state
+def carrier_mode(carrier_pipelines: bool) -> str:
+    """The votes' carrier: the ack counts' pipelined reduce, or upstream's blocking one."""
+    return RIDE_ACK if carrier_pipelines else RIDE_UPSTREAM
 
 
-def carrier(cache: Any) -> ack_counts.AckCountsState:
-    """The ack counts' state: it carries the votes where it pipelines."""
-    return ack_counts.FEATURE.ensure(cache)
+FEATURE = Feature(PREFETCH_VOTES, PrefetchVoteState, CACHE_CLASS, rides=ACK, after=(ACK,))
 
 
-FEATURE = Feature(PREFETCH_VOTES, build, after=(ACK,))
-
-
-def state_of(cache: Any) -> Optional[PrefetchVoteState]:
-    return FEATURE.state_of(cache) if cache is not None else None
-
-
-def admission_hooked() -> tuple[str, ...]:
-    return FEATURE.hooked_on(ADDER_CLASS)
-
-
-def admission_hooks_missing() -> Optional[str]:
-    """Why the admission hooks are not in place, or None."""
-    try:
-        from sglang.srt.managers.schedule_policy import PrefillAdder
-    except Exception as exc:  # no scheduler module: nothing admits here
-        return f"sglang.srt.managers.schedule_policy cannot be imported ({exc!r})"
-    return unhooked(PrefillAdder, admission_hooked(), VOTES)
+def votes_of(cache: Optional[Cache]) -> Optional[PrefetchVoteState]:
+    """The cache's vote state, if built (a hook's object may carry none)."""
+    return state_of(FEATURE, cache)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Callable, Hashable, Iterator, Optional, cast
 
-from ..names import LOGGER_NAME, PREFETCH_VOTES
+from ..kit.views import Cache, InsertResult, Operation, RequestHandle
+from ..names import LOGGER_NAME, PREFETCH_VOTES, TIMEOUT
 from ..protocol.votes import Verdicts
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -24,30 +25,31 @@ PREDICATE = "_prefetch_deadline_expired"
 Emit = Callable[..., None]
 
 
-def operation_key(handle: Any) -> tuple[Any, Any]:
-    return (handle.rid, handle.attempt_id)
+def operation_key(handle: Hashable) -> tuple[str, int]:
+    h = cast(RequestHandle, handle)
+    return (h.rid, h.attempt_id)
 
 
 class Pins:
     """Host locks on the nodes stops inserted, for one pass at most."""
 
     def __init__(self, emit: Emit) -> None:
-        self.held: dict[Any, tuple[Any, Any]] = {}  # handle -> (node id, dec params)
+        self.held: dict[Hashable, tuple[object, object]] = {}  # handle -> (node, dec params)
         self.emit = emit
         self.said = False
 
-    def pin(self, cache: Any, handle: Any, node: Any) -> None:
+    def pin(self, cache: Cache, handle: Hashable, node: object) -> None:
         self.release(cache, handle, "replaced")
         self.held[handle] = (node, cache.inc_host_lock_ref(node).to_dec_params())
         self.emit("pin", key=operation_key(handle))
 
-    def release(self, cache: Any, handle: Any, why: str) -> None:
+    def release(self, cache: Cache, handle: Hashable, why: str) -> None:
         held = self.held.pop(handle, None)
         if held is not None:
             cache.dec_host_lock_ref(*held)
             self.emit("unpin", key=operation_key(handle), why=why)
 
-    def release_all(self, cache: Any) -> None:
+    def release_all(self, cache: Cache) -> None:
         """The pass is over: what its walk did not admit is unpinned."""
         for handle in list(self.held):
             self.release(cache, handle, "pass")
@@ -56,7 +58,7 @@ class Pins:
         """The tree was reset: its nodes, and their locks, are gone."""
         self.held.clear()
 
-    def cannot_watch(self, cache: Any) -> None:
+    def cannot_watch(self, cache: Cache) -> None:
         if not self.said and cache.cache_controller is not None:
             self.said = True
             logger.warning(
@@ -78,21 +80,21 @@ class Landing:
         self.pins = self.pins_class(emit)
         self.emit = emit
 
-    def apply(self, cache: Any, verdicts: Verdicts) -> int:
+    def apply(self, cache: Cache, verdicts: Verdicts) -> int:
         """Every stop of one interval, in walk order; returns how many landed."""
         stopped = 0
         for reach, stop in verdicts:
             self.emit("verdict", key=reach.key, stop=stop)
-            if stop and self.stop(cache, reach.op):
+            if stop and self.stop(cache, cast(Operation, reach.op)):
                 stopped += 1
         return stopped
 
-    def stop(self, cache: Any, op: Any) -> bool:
+    def stop(self, cache: Cache, op: Operation) -> bool:
         """End ``op`` as stock's walk did, if still its request's live operation."""
         info = cache.ongoing_prefetch.get(op.handle)
         if info is None or info.operation is not op or op.is_terminated():
             return False
-        if cache.prefetch_stop_policy == "timeout" and self.kv_landed(cache, op):
+        if cache.prefetch_stop_policy == TIMEOUT and self.kv_landed(cache, op):
             return False  # stock's predicate says no at the reach: the prefetch goes on
         self.applying = op
         try:
@@ -107,7 +109,7 @@ class Landing:
             self.pins.pin(cache, op.handle, inserted[-1])
         return True
 
-    def kv_landed(self, cache: Any, op: Any) -> bool:
+    def kv_landed(self, cache: Cache, op: Operation) -> bool:
         """Whether upstream's deadline predicate exempts ``op``, asked with the group's
         verdict (deadline passed) in place of this rank's clock."""
         wait = cache._storage_prefetch_wait.get(op.handle)
@@ -116,24 +118,25 @@ class Landing:
         saved = wait.expired
         wait.expired = True
         try:
-            return not getattr(cache, PREDICATE)(op)
+            expired: Callable[[Operation], bool] = getattr(cache, PREDICATE)
+            return not expired(op)
         finally:
             wait.expired = saved
 
 
 @contextmanager
-def captured_insert(cache: Any) -> Iterator[Optional[list[Any]]]:
+def captured_insert(cache: Cache) -> Iterator[Optional[list[object]]]:
     """The host nodes ``tree_core.insert_host`` creates in the block (None: unwatchable)."""
     tree = cache.tree_core
-    found: list[Any] = []
+    found: list[object] = []
     inst = getattr(tree, "__dict__", None)
     real = getattr(tree, "insert_host", None)
     if inst is None or real is None or "insert_host" in inst:
         yield None
         return
 
-    def insert_host(*args: Any, **kwargs: Any) -> Any:
-        result = real(*args, **kwargs)
+    def insert_host(*args: object, **kwargs: object) -> object:
+        result = cast(InsertResult, real(*args, **kwargs))
         node = getattr(result, "inserted_host_node", None)
         if node is not None and not getattr(result, "host_insert_dropped", False):
             found.append(node)

@@ -24,8 +24,19 @@ A held start holds nothing (no host page, no budget, no L3 query); its request a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable, Iterator, Literal, Optional, Sequence, TypeVar
+from typing import (
+    Callable,
+    Hashable,
+    Iterable,
+    Iterator,
+    Literal,
+    Optional,
+    Sequence,
+    TypeVar,
+    cast,
+)
 
+from ..kit.views import Cache, Request, RequestHandle, Scheduler
 from ..protocol.votes import covering
 
 Emit = Callable[..., None]
@@ -40,8 +51,8 @@ class Start:
     """A held start: what re-runs ``Scheduler._prefetch_kvcache`` for its request."""
 
     handle: Hashable
-    scheduler: Any
-    req: Any
+    scheduler: Scheduler
+    req: Request
     storage_hit_end: Optional[int]
     tokens: int  # the L3 remainder it asked for when held
     why: Why
@@ -53,20 +64,24 @@ class Start:
 class Remainder:
     """What a start asks L3 for: its anchor, its tokens, their namespace."""
 
-    anchor: Any
+    anchor: object
     tokens: Sequence[int]
     extra_key: Optional[str]
     cache_salt: Optional[str]
 
 
-def reads_from(cache: Any, want: Remainder) -> Iterator[tuple[Hashable, Sequence[int]]]:
+def reads_from(cache: Cache, want: Remainder) -> Iterator[tuple[Hashable, Sequence[int]]]:
     """(handle, tokens) of every read in flight from ``want``'s anchor in its namespace,
-    oldest first. ``ongoing_prefetch`` values are upstream's ``_OngoingPrefetch``: the
-    anchor and the key lead it, as ``_handle_prefetch_result`` (fingerprinted) unpacks it."""
+    oldest first (upstream's ``_OngoingPrefetch``, as ``_handle_prefetch_result``, which
+    the guard fingerprints, reads it)."""
     salt = want.cache_salt or None  # as RadixKey keeps it
     for handle, info in cache.ongoing_prefetch.items():
-        anchor, key = info[0], info[1]
-        if anchor == want.anchor and key.extra_key == want.extra_key and key.cache_salt == salt:
+        key = info.prefetch_key
+        if (
+            info.anchor_node_id == want.anchor
+            and key.extra_key == want.extra_key
+            and key.cache_salt == salt
+        ):
             yield handle, key.raw_token_ids()
 
 
@@ -76,12 +91,14 @@ class Starts:
     def __init__(self, emit: Emit) -> None:
         self.held: dict[Hashable, Start] = {}  # by handle, in hold order
         self.waited: set[Hashable] = set()  # handles that waited on a read once already
-        self.context: Optional[tuple[Any, Any, Optional[int]]] = None  # scheduler, req, end
+        self.context: Optional[tuple[Scheduler, Request, Optional[int]]] = None  # req's end
         self.rerun: Optional[Hashable] = None  # the handle whose held start runs now
         self.rerun_tokens: Optional[int] = None  # what that re-run asked L3 for
         self.emit = emit
 
-    def starting(self, scheduler: Any, req: Any, end: Optional[int], run: Callable[[], T]) -> T:
+    def starting(
+        self, scheduler: Scheduler, req: Request, end: Optional[int], run: Callable[[], T]
+    ) -> T:
         """``Scheduler._prefetch_kvcache`` for ``req``: its start may be held inside."""
         outer, self.context = self.context, (scheduler, req, end)
         try:
@@ -100,7 +117,7 @@ class Starts:
         """The request joined a batch: its one wait is behind it."""
         self.waited.discard(handle)
 
-    def choose(self, cache: Any, handle: Hashable, want: Remainder, read_once: bool,
+    def choose(self, cache: Cache, handle: Hashable, want: Remainder, read_once: bool,
                interval: Optional[int]) -> Optional[Start]:  # fmt: skip
         """The hold for this start (None: it runs now); ``interval``: the open interval,
         where a section will carry it."""
@@ -138,7 +155,7 @@ class Starts:
         """The PASS holds of every interval up to ``interval`` (its section was read)."""
         return self._take(s for s in self.held.values() if s.why == PASS and s.interval <= interval)
 
-    def landed(self, cache: Any) -> list[Start]:
+    def landed(self, cache: Cache) -> list[Start]:
         """The READ_ONCE holds whose read is no longer in flight."""
         live = cache.ongoing_prefetch
         return self._take(s for s in self.held.values() if s.why == READ_ONCE
@@ -171,5 +188,7 @@ class Starts:
         self.waited.clear()
 
 
-def key_of(handle: Any) -> tuple[Any, Any]:
-    return (handle.rid, handle.attempt_id)
+def key_of(handle: Hashable) -> tuple[str, int]:
+    """A request handle's ``(rid, attempt)``, as the events and the lab name it."""
+    h = cast(RequestHandle, handle)
+    return (h.rid, h.attempt_id)

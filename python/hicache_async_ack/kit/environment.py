@@ -3,7 +3,8 @@ takes ``transport=``), never patched; one in force per process, installed by
 ``register(env)``. ``collectives``; ``clock`` (seconds); ``judged``: the guard's verdict
 (None: judged once from the installed SGLang against ``table``); ``metrics``: a metrics
 factory (None: SGLang's pipeline); ``events``: a sink for the votes' events;
-``substitutes``: per sync, a subclass of its state class (a negative control).
+``substitutes``: per sync, a subclass of its state class (a negative control);
+``features``: the syncs register() judges and hooks (empty: the plugin's own, in order).
 """
 
 from __future__ import annotations
@@ -11,15 +12,29 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Optional, Protocol, TypeVar
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Literal,
+    Mapping,
+    Optional,
+    Protocol,
+    Sequence,
+    TypeVar,
+)
 
+from ..names import Sync
 from .collectives import Collectives
+from .views import SyncMetrics
 
 if TYPE_CHECKING:
     from ..guard import Judged
+    from .feature import Feature
 
-# What the prefetch votes report to a sink (reach, verdict, stop, pin, unpin, section).
-EventKind = Literal["reach", "verdict", "stop", "pin", "unpin", "section"]
+# What the prefetch votes report to a sink (reach, verdict, stop, pin, unpin, section;
+# a start held and released).
+EventKind = Literal["reach", "verdict", "stop", "pin", "unpin", "section", "hold", "release"]
 S = TypeVar("S")
 
 
@@ -27,7 +42,8 @@ class EventSink(Protocol):
     def __call__(self, kind: EventKind, /, **fields: object) -> None: ...
 
 
-MetricsFactory = Callable[[str, Mapping[str, Any], Any], Any]  # (key, labels, collector)
+# (the sync's row, labels, SGLang's collector) -> its metrics
+MetricsFactory = Callable[[Sync, Mapping[str, object], object], Optional[SyncMetrics]]
 
 
 @dataclass(frozen=True)
@@ -41,6 +57,7 @@ class Environment:
     metrics: Optional[MetricsFactory] = None
     events: Optional[EventSink] = None
     substitutes: Mapping[str, type] = field(default_factory=dict)
+    features: Sequence["Feature[Any]"] = ()
 
     def state_class(self, sync: str, default: type[S]) -> type[S]:
         """The class to build ``sync``'s state with (a substitute must extend the default)."""

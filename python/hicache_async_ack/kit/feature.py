@@ -1,20 +1,37 @@
-"""A sync as declared (:class:`Feature`: its names row, state builder, order, hooks) and
-what every sync's state does alike (:class:`FeatureState`: path decision, announcement,
-failure); the step itself is :mod:`.owner`'s."""
+"""A sync as declared (:class:`Feature`: its names row, state class, the class it lives
+on, what it rides, its hooks) and what every sync's state does alike
+(:class:`FeatureState`: path decision, announcement, failure, metrics); the step itself
+is :mod:`.owner`'s. One build for every sync (:meth:`Feature.build`), one
+:func:`state_of`."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Generic, Iterable, Mapping, Optional, Sequence, TypeVar
+from typing import (
+    Any,
+    Callable,
+    ClassVar,
+    Generic,
+    Iterable,
+    Mapping,
+    Optional,
+    Protocol,
+    Sequence,
+    TypeVar,
+    cast,
+)
 
 from .. import path_info
 from ..errors import HiCacheAsyncAckError, HiCacheAsyncAckMismatch
 from ..guard import UNTESTED
-from ..names import LOGGER_NAME, Sync, SyncName
-from .decision import Decision, ReasonCode
+from ..names import LOGGER_NAME, ReasonCode, Sync, SyncName
+from ..protocol.errors import ProtocolError
+from .decision import Decision, blocking
 from .environment import Environment, environment, judged
-from .hooks import Fn, Hook, HookKind, hook
+from .hooks import Fn, Hook, HookKind, hook, unhooked
+from .views import SyncMetrics
 
 logger = logging.getLogger(LOGGER_NAME)
 S = TypeVar("S", bound="FeatureState")
@@ -34,7 +51,9 @@ def feature_release(sync: SyncName) -> Optional[str]:
 
 class FeatureState:
     """What every sync keeps per object: its lifetime decision (``static``), environment,
-    metrics sink (None costs nothing), ``agreed`` (first exchange ran), last announcement."""
+    metrics (None costs nothing), ``agreed`` (first exchange ran), last announcement.
+    A state class is built as ``cls(obj, blocker, env)`` (:meth:`Feature.build`):
+    ``blocker``, where given, keeps it on upstream's path for the object's lifetime."""
 
     sync: ClassVar[Sync]
 
@@ -42,7 +61,7 @@ class FeatureState:
         self.static = static
         self.env = env
         self.collectives = env.collectives
-        self.metrics: Any = None
+        self.metrics: Optional[SyncMetrics] = None
         self.agreed = False
         self.announced: Optional[tuple[bool, ReasonCode, str]] = None
 
@@ -72,7 +91,8 @@ class FeatureState:
         logger.info("%s", self.path_line(decision))
 
     def path_metrics(self, decision: Decision) -> None:
-        self.metrics.on_path(decision.pipelined)
+        if self.metrics is not None:
+            self.metrics.on_path(decision.pipelined)
 
     def pipelined_details(self, decision: Decision) -> Sequence[str]:
         return (f"world size {decision.world_size}",)
@@ -96,35 +116,95 @@ class FeatureState:
             self.metrics.on_failure(reason)
         logger.error("%s", exc)
 
-    def cache_metrics(self, cache: Any) -> Any:
+    def fail(self, exc: ProtocolError) -> HiCacheAsyncAckError:
+        """The protocol's error, as this sync's (titled), counted and logged: the one
+        translation; the caller raises it ``from exc``."""
+        err = self.sync.errors.translate(self.sync.title, exc)
+        self.failed(err)
+        return err
+
+    def cache_metrics(self, cache: object) -> Optional[SyncMetrics]:
         """This sync's metrics for a cache, labelled like its other metrics."""
         collector = getattr(cache, "metrics_collector", None)
         labels = getattr(collector, "labels", None) or {"cache_type": type(cache).__name__}
         return self.make_metrics(labels, collector)
 
-    def make_metrics(self, labels: Mapping[str, Any], collector: Any = None) -> Any:
+    def make_metrics(self, labels: Mapping[str, object], collector: object = None
+                     ) -> Optional[SyncMetrics]:  # fmt: skip
         """This sync's metrics for ``labels`` (the environment's factory, else SGLang's
         pipeline); None, logged, if they cannot be made: metrics never fail HiCache."""
         from ..metrics import series_for
 
         make = self.env.metrics or series_for
         try:
-            return make(self.sync.metrics_key, labels, collector)
+            return make(self.sync, labels, collector)
         except Exception as exc:  # noqa: BLE001 (e.g. a collector backend refusing the names)
             logger.warning("%s: metrics not exported for %s: %r", self.sync.title,
                            dict(labels), exc)  # fmt: skip
             return None
 
 
+class Rider(Protocol):
+    """A section another sync adds to an owner's pipelined reduce (``flags``: its bits;
+    ``layout_bit``: the one that puts its section in). Per step: :meth:`take` for each
+    section consumed (before the pops), then :meth:`section` or :meth:`no_section`."""
+
+    flags: Mapping[int, str]
+    layout_bit: int
+
+    def local_flags(self, obj: Any) -> int: ...
+
+    def decides_walk(self, obj: Any) -> bool:
+        """Whether it, not upstream's per-request path, decides what the owner's lag
+        would otherwise make stale."""
+        ...
+
+    def take(self, obj: Any, token: object, reduced: Sequence[int], carrier: Carrier) -> None: ...
+
+    def section(self, obj: Any) -> tuple[list[int], object]: ...
+
+    def no_section(self, obj: Any) -> None: ...
+
+    def fail(self, exc: ProtocolError) -> HiCacheAsyncAckError:
+        """The protocol's error in its section, as its own (counted, logged)."""
+        ...
+
+
+class Carrier(Protocol):
+    """What a rider may use of its owner."""
+
+    def pipelines(self, obj: Any) -> bool:
+        """Whether this step's reduce is the owner's pipelined one (sections ride it)."""
+        ...
+
+    def exchange(self, values: list[int]) -> list[int]:
+        """A blocking MIN over the owner's group, in every rank's collective sequence."""
+        ...
+
+    def add_rider(self, rider: Rider) -> None:
+        """Carry ``rider``'s section in every pipelined reduce whose layout has its bit."""
+        ...
+
+
+# Every feature declared, by sync name (a rider finds its carrier here).
+DECLARED: dict[SyncName, "Feature[Any]"] = {}
+
+
 @dataclass
 class Feature(Generic[S]):
-    """A sync, declared once: ``build(obj)`` makes its state; ``after``: the syncs whose
-    hooks it wraps (registered before its own)."""
+    """A sync, declared once: its row, its state class, the dotted class its state lives
+    on (``owner``), ``rides``: the sync whose reduce carries its section (a rider);
+    ``after``: the syncs whose hooks it wraps (registered before its own)."""
 
     sync: Sync
-    build: Callable[[Any], S]
+    state: type[S]
+    owner: str
+    rides: Optional[SyncName] = None
     after: tuple[SyncName, ...] = ()
     hooks: list[Hook] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        DECLARED[self.sync.name] = self
 
     def hook(self, target: str, method: str, kind: HookKind) -> Callable[[Fn], Fn]:
         """Declare the decorated function as this feature's ``kind`` hook on ``target.method``."""
@@ -139,11 +219,43 @@ class Feature(Generic[S]):
     def hooked_on(self, target: str) -> tuple[str, ...]:
         return tuple(dict.fromkeys(h.method for h in self.hooks if h.target == target))
 
-    def state_of(self, obj: Any) -> Optional[S]:
+    def hooks_missing(self, obj: object) -> Optional[str]:
+        """Why this feature's hooks are not in place (on ``obj``'s class, overridden by a
+        subclass, or on another class it hooks, e.g. the scheduler's), or None."""
+        problem = unhooked(type(obj), self.hooked_on(self.owner), self.sync.name)
+        for target in dict.fromkeys(h.target for h in self.hooks if h.target != self.owner):
+            if problem is not None:
+                break
+            module, _, name = target.rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(module), name)
+            except Exception as exc:  # noqa: BLE001 (no such module here: nothing runs it)
+                return f"{target} cannot be imported ({exc!r})"
+            problem = unhooked(cls, self.hooked_on(target), self.sync.name)
+        return problem
+
+    def build(self, obj: object) -> S:
+        """``obj``'s state (its settings read now), blocking where its hooks are not in
+        place; a rider joins its carrier."""
+        problem = self.hooks_missing(obj)
+        env = environment()
+        cls = env.state_class(self.sync.name, self.state)
+        make = cast(Callable[[object, Optional[Decision], Environment], S], cls)  # the class doc
+        state = make(obj, blocking(problem, "hooks_missing") if problem else None, env)
+        if self.rides is not None:
+            self.carrier_of(obj).add_rider(cast(Rider, state))
+        return state
+
+    def carrier_of(self, obj: object) -> Carrier:
+        """The state of the sync this one rides, on ``obj`` (built on first use)."""
+        assert self.rides is not None, f"{self.sync.name} rides no other sync"
+        return cast(Carrier, DECLARED[self.rides].ensure(obj))
+
+    def state_of(self, obj: object) -> Optional[S]:
         state: Optional[S] = obj.__dict__.get(self.sync.state_attr)
         return state
 
-    def attach(self, obj: Any, init_args: Sequence[Any] = (), **init_kwargs: Any) -> S:
+    def attach(self, obj: object, init_args: Sequence[object] = (), **init_kwargs: object) -> S:
         """Build the object's state now (a setting is read when its state is built);
         with ``init_hicache(server_args, params)``'s arguments, its metrics too
         where ``params.enable_metrics`` (--enable-metrics)."""
@@ -153,10 +265,15 @@ class Feature(Generic[S]):
             state.metrics = state.cache_metrics(obj)
         return state
 
-    def ensure(self, obj: Any) -> S:
+    def ensure(self, obj: object) -> S:
         """The object's state, built on first use if init's hook did not run."""
         state = self.state_of(obj)
         return self.attach(obj) if state is None else state
+
+
+def state_of(feature: Feature[S], obj: object) -> Optional[S]:
+    """``obj``'s state for ``feature`` (a cache's, a decode offload manager's), if built."""
+    return None if obj is None else feature.state_of(obj)
 
 
 def check_order(features: Iterable[Feature[Any]]) -> tuple[Feature[Any], ...]:
@@ -169,8 +286,3 @@ def check_order(features: Iterable[Feature[Any]]) -> tuple[Feature[Any], ...]:
         assert f.sync.name not in seen, f"{f.sync.name} declared twice"
         seen.append(f.sync.name)
     return out
-
-
-def state_class(sync: Sync, default: type[S]) -> type[S]:
-    """The class to build ``sync``'s state with, in the environment in force."""
-    return environment().state_class(sync.name, default)

@@ -3,14 +3,15 @@ stand for (attention CP x TP through the TP group: docs/design.md)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from .decision import Decision, blocking
+from .views import Cache
 
-WorldSize = Callable[[Any], int]
+WorldSize = Callable[[object], int]
 
 
-def collective_groups(cache: Any, world_size: WorldSize) -> list[tuple[str, Any, int]]:
+def collective_groups(cache: Cache, world_size: WorldSize) -> list[tuple[str, object, int]]:
     """The groups upstream's _all_reduce_attn_groups reduces over, in order."""
     groups = [
         (label, g, world_size(g))
@@ -29,7 +30,7 @@ def no_span_reason(names: str) -> str:
     )
 
 
-def group_decision(cache: Any, world_size: WorldSize) -> Decision:
+def group_decision(cache: Cache, world_size: WorldSize) -> Decision:
     """The groups one reduce can stand for, for the cache's lifetime: one group
     of world size > 1, or attention CP x TP through the TP group (its span is
     checked at the first step, after the first exchange: a gather here would
@@ -50,6 +51,7 @@ def group_decision(cache: Any, world_size: WorldSize) -> Decision:
             group=cache.tp_group,
             world_size=cache.tp_world_size,
             span=(cp, attn_tp),
+            groups=names,
         )
     label, group, ws = groups[0]
     return Decision(True, f"one {label} group", group=group, world_size=ws)

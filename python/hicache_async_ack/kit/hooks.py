@@ -6,11 +6,12 @@ nests them in feature order (HookRegistry warns on two AROUND hooks; ours nest o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Literal, Optional, Union
+from types import CellType
+from typing import Any, Callable, Iterable, Literal, Optional, Union, cast
 
 HOOK_MARK = "_hicache_async_ack_hook"  # on our hook functions: the features they serve
 HookKind = Literal["BEFORE", "AFTER", "AROUND"]
-Fn = Callable[..., Any]
+Fn = Callable[..., Any]  # upstream's method a hook wraps (SGLang is not typed here)
 
 
 def hook(fn: Fn, *features: str) -> Fn:
@@ -19,33 +20,34 @@ def hook(fn: Fn, *features: str) -> Fn:
     return fn
 
 
-def _cell_value(cell: Any) -> Any:
+def _cell_value(cell: object) -> object:
     try:
-        return cell.cell_contents
+        contents: object = cast(CellType, cell).cell_contents
     except ValueError:  # empty cell
         return None
+    return contents
 
 
-def _marks(fn: Any) -> Optional[frozenset[str]]:
+def _marks(fn: object) -> Optional[frozenset[str]]:
     """The union of our marks in ``fn``'s wrapper chain (closure cells, ``__wrapped__``),
     None if none is ours."""
     found: Optional[frozenset[str]] = None
     while fn is not None:
-        cells = getattr(fn, "__closure__", None) or ()
+        cells: tuple[object, ...] = getattr(fn, "__closure__", None) or ()
         for obj in (fn, *(_cell_value(c) for c in cells)):
-            marks = getattr(obj, HOOK_MARK, None)
+            marks: object = getattr(obj, HOOK_MARK, None)
             if isinstance(marks, frozenset):
                 found = marks if found is None else found | marks
         fn = getattr(fn, "__wrapped__", None)
     return found
 
 
-def hooked_for(fn: Any) -> frozenset[str]:
+def hooked_for(fn: object) -> frozenset[str]:
     """The features whose hooks sit in ``fn``'s wrapper chain."""
     return _marks(fn) or frozenset()
 
 
-def is_hooked(fn: Any) -> bool:
+def is_hooked(fn: object) -> bool:
     """Whether any of our hooks sits in ``fn``'s wrapper chain."""
     return _marks(fn) is not None
 

@@ -16,8 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Mapping, NoReturn, Optional, Sequence
 
-from ..errors import HiCacheAckSyncError, HiCacheAckSyncMismatch
 from .depth import AutoDepth, observation
+from .errors import PeerMismatch, ProtocolError
 from .stamp import (
     DEPTH_LIMIT,
     OBS_MAX,
@@ -26,7 +26,6 @@ from .stamp import (
     Handle,
     Stamp,
     describe_mismatch,
-    fold_digest,
     pack_stamp,
     stamps_differ,
 )
@@ -62,7 +61,6 @@ class Consumed:
     waited_s: float = 0.0  # auto depth: how long this rank waited on the due reduce(s)
     depth_change: Optional[tuple[int, int]] = None  # (from, to), auto depth only
     flags: Optional[int] = None  # the newest reduce's agreed flags (None: sends none)
-    tails: list[tuple[object, list[int]]] = field(default_factory=list)  # oldest first
     # per reduce, oldest first: (its own pops, after the older ones'; its tails)
     parts: list[tuple[dict[Hashable, int], list[tuple[object, list[int]]]]] = field(
         default_factory=list
@@ -81,22 +79,25 @@ def still_queued(agreed: Sequence[object], head: Sequence[object]) -> int:
     n = len(agreed) - j
     for i in range(n):
         if i >= len(head) or head[i] is not agreed[j + i]:
-            raise HiCacheAckSyncError(
+            raise ProtocolError(
                 "a queue was reordered or lost entries from its middle between the "
-                "reduce's issue and its consume; FIFO order is required"
+                "reduce's issue and its consume; FIFO order is required",
+                {"agreed": len(agreed), "still_queued_from": j, "mismatch_at": i},
             )
     return n
 
 
-class PipelinedAckSync:
-    """Keeps up to ``depth`` MIN-reduces of ready counts in flight.
+class PipelinedReduce:
+    """Keeps up to ``depth`` MIN-reduces of queue counts in flight, for any sync that
+    pops a FIFO prefix its group agreed on (the ack counts, the decode offload).
 
     Per step: :meth:`consume_due` (the reduce issued ``depth`` steps ago; by step count
     alone, never ``is_completed()``), then, after popping, :meth:`issue`. ``hints``: what
     to do per stamp field that differs ("stock": a peer on the blocking path); ``auto``:
-    the depth rule, ``clock`` times its waits; ``title``/``errors``: the sync served.
-    ``flag_names`` (bit -> meaning) adds ``[f, -f]`` layout flags after the stamp, checked
-    like it; a rider's ``tail`` comes back reduced, with its ``token``, in ``tails``.
+    the depth rule, ``clock`` times its waits. ``flag_names`` (bit -> meaning) adds
+    ``[f, -f]`` layout flags after the stamp, checked like it; a rider's ``tail`` comes
+    back reduced, with its ``token``, in ``Consumed.parts``. Raises :class:`ProtocolError`
+    and :class:`PeerMismatch` (the sync's state titles them).
     """
 
     still_queued = staticmethod(still_queued)  # a negative control's override point
@@ -106,15 +107,10 @@ class PipelinedAckSync:
         collective: Collective,
         depth: int = 1,
         *,
-        title: str,
         auto: Optional[AutoDepth] = None,
         hints: Optional[Mapping[str, str]] = None,
         clock: Callable[[], float] = time.perf_counter,
         flag_names: Optional[Mapping[int, str]] = None,
-        errors: tuple[type[Exception], type[Exception]] = (
-            HiCacheAckSyncError,
-            HiCacheAckSyncMismatch,
-        ),
     ) -> None:
         if not 1 <= depth <= DEPTH_LIMIT:
             raise ValueError(f"depth must be from 1 to {DEPTH_LIMIT}, got {depth}")
@@ -125,9 +121,7 @@ class PipelinedAckSync:
             auto.depth = depth
         self.hints = dict(hints or {})
         self.flag_names = None if flag_names is None else dict(flag_names)
-        self.title = title
         self.protocol = PROTOCOL_VERSION  # what this build speaks (a test may play another)
-        self.error, self.mismatch = errors
         self._pending: deque[_Pending] = deque()
         self._failed: Optional[BaseException] = None
         self._step = 0
@@ -145,8 +139,9 @@ class PipelinedAckSync:
 
     def _check_usable(self) -> None:
         if self._failed is not None:
-            raise self.error(
-                f"{self.title} already failed on this rank and will not retry: {self._failed}"
+            raise ProtocolError(
+                f"already failed on this rank and will not retry: {self._failed}",
+                {"failed": repr(self._failed)},
             ) from self._failed
 
     def issue(
@@ -277,15 +272,18 @@ class PipelinedAckSync:
             f"the layout flags differ across the group (group min {lo:#x}, max {hi:#x}): "
             f"{names or 'unknown bits'}. Give every node of the TP group the same settings "
             "and storage backend. Nothing was popped; stopping.",
+            {"flags": mine, "group_min": lo, "group_max": hi},
         )
 
     def _mismatch(self, what: str, x: int, lo_x: int, hi_x: int) -> NoReturn:
-        why = describe_mismatch(Stamp.unpack(x), Stamp.unpack(lo_x), Stamp.unpack(hi_x), self.hints)
-        self._stop(what, f"{why} Nothing was popped; stopping.")
+        mine, lo, hi = Stamp.unpack(x), Stamp.unpack(lo_x), Stamp.unpack(hi_x)
+        why = describe_mismatch(mine, lo, hi, self.hints)
+        seen = {"stamp": mine, "group_min": lo, "group_max": hi}
+        self._stop(what, f"{why} Nothing was popped; stopping.", seen)
 
-    def _stop(self, what: str, why: str) -> NoReturn:
+    def _stop(self, what: str, why: str, seen: Mapping[str, object]) -> NoReturn:
         self._pending.clear()
-        self._failed = err = self.mismatch(f"{self.title}: ranks disagree on {what}: {why}")
+        self._failed = err = PeerMismatch(f"ranks disagree on {what}: {why}", seen)
         raise err
 
     def _consume_oldest(self, head: Head, out: Consumed) -> None:
@@ -302,7 +300,6 @@ class PipelinedAckSync:
             out.flags = lo_f if agreed_now else self._agreed_flags(
                 f"this cache's reduce #{p.step}", p.flags, lo_f, hi_f)  # fmt: skip
         tails = [(p.token, list(reduced[len(reduced) - p.tail :]))] if p.tail else []
-        out.tails += tails
         pops, agreed = out.pops, out.agreed
         before = dict(pops)
         for name, snap, count in zip(p.names, p.ready, reduced):
@@ -327,11 +324,11 @@ class PipelinedAckSync:
     def _fail(self, exc: BaseException, doing: str) -> NoReturn:
         self._pending.clear()
         self._failed = exc
-        raise self.error(
-            f"{self.title} failed while {doing}: {exc}. A peer rank may have "
-            "died or the collective timed out; not retrying."
+        raise ProtocolError(
+            f"failed while {doing}: {exc}. A peer rank may have died or the collective "
+            "timed out; not retrying.",
+            {"doing": doing, "error": repr(exc)},
         ) from exc
 
 
-__all__ = ["PROTOCOL_VERSION", "Consumed", "HiCacheAckSyncError", "HiCacheAckSyncMismatch",
-    "PipelinedAckSync", "Stamp", "fold_digest", "still_queued"]  # fmt: skip
+__all__ = ["Consumed", "Head", "PipelinedReduce", "still_queued"]

@@ -18,7 +18,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable, Mapping, NoReturn, Optional, Sequence, TypeVar
 
-from ..errors import AdmissionMismatch, PrefetchVoteError, PrefetchVoteMismatch
+from .errors import BatchMismatch, PeerMismatch, ProtocolError
 from .stamp import STOCK_LIMIT, Stamp, describe_mismatch, pack_stamp, stamps_differ
 
 # The stamp's protocol field for vote sections and the votes' own first exchange (far
@@ -34,7 +34,9 @@ SLOT = 3  # [v, h, -h]
 LAYOUT = HEADER + ADMIT + SLOT * VOTE_SLOTS  # values per section
 OVERFLOW_LAYOUT = 4 + SLOT * VOTE_SLOTS  # [x, -x, c, -c] and the slots
 NOT_REACHED, REACHED_EXPIRED, REACHED = 0, 2, 3  # a slot's v; MIN == 2: stop
-POLICIES = {"timeout": 1, "best_effort": 2, "wait_complete": 3}
+# SGLang's --hicache-storage-prefetch-policy values (names.py re-exports them).
+TIMEOUT, BEST_EFFORT, WAIT_COMPLETE = "timeout", "best_effort", "wait_complete"
+POLICIES = {TIMEOUT: 1, BEST_EFFORT: 2, WAIT_COMPLETE: 3}
 SKEW_ISSUE = "SGLang #30760"
 
 Exchange = Callable[[list[int]], Sequence[int]]  # a blocking MIN over the carrier's group
@@ -91,12 +93,10 @@ class VoteBook:
     """One cache's record of the current interval. Per boundary: :meth:`close` (a
     section) or :meth:`discard` (none); :meth:`read` each reduced section, in order."""
 
-    def __init__(self, *, title: str, hints: Optional[Mapping[str, str]] = None) -> None:
-        self.title = title  # what the messages start with
+    def __init__(self, *, hints: Optional[Mapping[str, str]] = None) -> None:
         self.hints = dict(hints or {})
         self.reaches: list[Reach] = []
         self.admitted: list[tuple[Hashable, int, int]] = []
-        self.walks = 0  # pass boundaries seen (the same on every rank)
 
     # ---------------------------------------------------------------- the walk
     def poll(self, key: Hashable, op: object, expired: bool) -> None:
@@ -110,17 +110,17 @@ class VoteBook:
         """No section this boundary: drop the interval; returns its reach count."""
         n = len(self.reaches)
         self.reaches, self.admitted = [], []
-        self.walks += 1
         return n
 
     # ------------------------------------------------------------- the section
-    def close(self, n_ongoing: int, policy: str, label: str = "") -> tuple[list[int], Ballot]:
-        """The interval as a section; a new interval starts."""
+    def close(self, pass_no: int, n_ongoing: int, policy: str, label: str = ""
+              ) -> tuple[list[int], Ballot]:  # fmt: skip
+        """The interval as a section, closed at boundary ``pass_no`` (the caller's pass
+        count, the same on every rank); a new interval starts."""
         reaches, admitted = tuple(self.reaches), tuple(self.admitted)
-        ballot = Ballot(self.walks, label or str(self.walks), reaches, n_ongoing,
+        ballot = Ballot(pass_no, label or str(pass_no), reaches, n_ongoing,
                         stamp_of(VOTES_PROTOCOL, policy), policy, admitted)  # fmt: skip
         self.reaches, self.admitted = [], []
-        self.walks += 1
         head = [key_hash(a) for a in admitted[:ADMIT_SLOTS]]
         head += [0] * (ADMIT_SLOTS - len(head))
         walk = seq_digest([r.key for r in reaches])
@@ -132,7 +132,7 @@ class VoteBook:
         """The group's verdict on every reach of ``ballot``'s interval, in walk order,
         or a raise on every rank; ``exchange`` (a blocking MIN) runs the overflow."""
         if len(reduced) != LAYOUT:
-            raise PrefetchVoteError(f"{self.title}: reduced {len(reduced)} values, issued {LAYOUT}")
+            raise ProtocolError(f"reduced {len(reduced)} values, issued {LAYOUT}")
         head = HEADER + ADMIT
         lo = list(reduced[0:head:2])
         hi = [-v for v in reduced[1:head:2]]
@@ -141,10 +141,10 @@ class VoteBook:
             self._set_mismatch(ballot, lo_n, hi_n, lo_x, hi_x)
         if lo[5:] != hi[5:] or lo_a != hi_a:
             self._admission_mismatch(ballot, lo_a, hi_a, lo[5:-1], hi[5:-1])
-        out = read_slots(self.title, ballot, 0, reduced[head:])
+        out = read_slots(ballot, 0, reduced[head:])
         if hi_r <= VOTE_SLOTS:
             return out
-        if ballot.policy == "best_effort" and lo_r == hi_r and lo_w == hi_w:
+        if ballot.policy == BEST_EFFORT and lo_r == hi_r and lo_w == hi_w:
             # every walk reached the same requests: best_effort stops each (no vote)
             return out + [(r, True) for r in ballot.reaches[VOTE_SLOTS:]]
         chunks = -(-(hi_r - VOTE_SLOTS) // VOTE_SLOTS)
@@ -153,13 +153,12 @@ class VoteBook:
             x = stamp_of(OVERFLOW_PROTOCOL, ballot.policy)
             got = exchange(pairs([x, c]) + slots(part))
             if len(got) != OVERFLOW_LAYOUT:
-                raise PrefetchVoteError(
-                    f"{self.title}: overflow exchange reduced {len(got)} values, "
-                    f"issued {OVERFLOW_LAYOUT}"
+                raise ProtocolError(
+                    f"overflow exchange reduced {len(got)} values, issued {OVERFLOW_LAYOUT}"
                 )
             if stamps_differ(x, got[0], -got[1]) or got[2] != -got[3] or got[2] != c:
                 self._set_mismatch(ballot, lo_n, hi_n, got[0], -got[1])
-            out += read_slots(self.title, ballot, c, got[4:])
+            out += read_slots(ballot, c, got[4:])
         return out
 
     def _set_mismatch(self, b: Ballot, lo_n: int, hi_n: int, lo_x: int, hi_x: int) -> NoReturn:
@@ -173,9 +172,10 @@ class VoteBook:
                 f"the number of ongoing storage prefetch operations differs across the "
                 f"group: this rank {b.n}, group min {lo_n}, max {hi_n} (ranks diverged)."
             )
-        raise PrefetchVoteMismatch(
-            f"{self.title}: ranks disagree on the votes of scheduling pass "
-            f"{b.label}: {why} No verdict was used; stopping."
+        raise PeerMismatch(
+            f"ranks disagree on the votes of scheduling pass {b.label}: {why} No verdict "
+            "was used; stopping.",
+            {"pass": b.label, "ongoing": b.n, "group_min": lo_n, "group_max": hi_n},
         )
 
     def _admission_mismatch(
@@ -190,15 +190,17 @@ class VoteBook:
                 key, prefix, extend = b.admitted[at]
                 mine = f"{describe_key(key)} with prefix {prefix} and extend {extend} tokens"
             first = f"request #{at + 1} of the batch, where this rank admitted {mine}"
-        raise AdmissionMismatch(
-            f"{self.title}: ranks admitted different requests to the batch in "
+        raise BatchMismatch(
+            "ranks admitted different requests to the batch in "
             f"scheduling pass {b.label}: the first difference is {first} "
             f"(this rank admitted {len(b.admitted)}, the group {lo_a} to "
             f"{hi_a}). The TP ranks would run different batches: their waiting-queue walks "
             f"diverged ({SKEW_ISSUE}: a rank's walk stopped earlier, on its own request "
             "budget, batch_is_full or an add_one_req that another rank accepted, or "
-            "matched another prefix). Stopping."
-        )
+            "matched another prefix). Stopping.",
+            {"pass": b.label, "position": at, "admitted": len(b.admitted),
+             "group_min": lo_a, "group_max": hi_a},
+        )  # fmt: skip
 
 
 def stamp_of(protocol: int, policy: str) -> int:
@@ -214,18 +216,19 @@ def slots(reaches: Sequence[Reach]) -> list[int]:
     return out
 
 
-def read_slots(title: str, b: Ballot, chunk: int, reduced: Sequence[int]) -> Verdicts:
+def read_slots(b: Ballot, chunk: int, reduced: Sequence[int]) -> Verdicts:
     """The verdicts of chunk ``chunk`` (VOTE_SLOTS reaches each) of ``b``'s walk."""
     out: Verdicts = []
     first = chunk * VOTE_SLOTS
     for i, r in enumerate(b.reaches[first : first + VOTE_SLOTS]):
         v, lo_h, hi_h = reduced[SLOT * i], reduced[SLOT * i + 1], -reduced[SLOT * i + 2]
         if lo_h != 0 and lo_h != hi_h:
-            raise PrefetchVoteMismatch(
-                f"{title}: the ranks' waiting-queue walks of scheduling pass "
-                f"{b.label} reached different requests at position {first + i + 1} (this "
-                f"rank: {describe_key(r.key)}): their waiting queues diverged "
-                f"({SKEW_ISSUE}). No verdict was used; stopping."
+            raise PeerMismatch(
+                f"the ranks' waiting-queue walks of scheduling pass {b.label} reached "
+                f"different requests at position {first + i + 1} (this rank: "
+                f"{describe_key(r.key)}): their waiting queues diverged ({SKEW_ISSUE}). No "
+                "verdict was used; stopping.",
+                {"pass": b.label, "position": first + i + 1, "request": r.key},
             )
         out.append((r, v == REACHED_EXPIRED))
     return out

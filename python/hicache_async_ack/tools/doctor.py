@@ -23,10 +23,7 @@ from ..env import (
     DEPTH_VAR,
     ENABLE_VAR,
     ENTRY_POINT_NAME,
-    OFFLOAD_SYNC_VAR,
     PLUGINS_VAR,
-    PREFETCH_VOTES_VAR,
-    READ_ONCE_VAR,
     allow_untested,
     parse_bool,
     parse_depth,
@@ -114,7 +111,7 @@ def see_it_working(ack: Optional[SyncVerdict], live: bool) -> list[str]:
     from ..metrics import FAMILIES, PATH_INFO
 
     line = ack.line if ack is not None and ack.live else f"{ACK_COUNTS.title}: pipelined ..."
-    gauge = next(f[2] for f in FAMILIES[ACK_COUNTS.metrics_key] if f[0] == "pipelined")
+    gauge = next(f[2] for f in FAMILIES[ACK_COUNTS.name] if f[0] == "pipelined")
     when = "see it working" if live else "once fixed, see it working"
     return wrap(
         f'{when}: each scheduler rank logs "{line}" (grep "{ACK_COUNTS.title}:"); '
@@ -225,16 +222,8 @@ def add_loader(rep: Report, sglang: str) -> None:
 
 
 # --------------------------------------------------------------- the settings
-MEANING: dict[str, tuple[str, str]] = {  # variable -> (what on means, what off means)
-    ENABLE_VAR: ("the ack sync may pipeline", "SGLang's path everywhere"),
-    ALLOW_UNTESTED_VAR: ("a sync whose methods match no tested release runs anyway",
-                         "a sync whose methods match no tested release keeps SGLang's path"),
-    PREFETCH_VOTES_VAR: ("with a storage backend, prefetch deadlines ride the ack-count "
-                         "reduce", "SGLang's blocking reduce per waiting prefetch"),
-    READ_ONCE_VAR: ("with the votes, a request waits for a prefetch in flight at its anchor "
-                    "and reads only the rest", "each request reads its whole L3 remainder"),
-    OFFLOAD_SYNC_VAR: ("PD decode offload progress pipelined", "SGLang's blocking reduce"),
-}  # fmt: skip
+# variable -> (what on means, what off means): each switch's own row (env.SWITCHES)
+MEANING: dict[str, tuple[str, str]] = {s.var: (s.on, s.off) for s in plugin_env.SWITCHES}
 
 
 def plugin_settings() -> list[tuple[str, Callable[[str, Optional[str], Any], Any], Any]]:

@@ -12,18 +12,28 @@ import argparse
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Iterator, NoReturn, Optional, Sequence
+from typing import Any, Iterator, NoReturn, Optional, Sequence, cast
 
-from ..env import offload_sync_enabled, prefetch_votes_enabled, read_settings
 from ..features.ack_counts import AckCountsState
 from ..features.decode_offload import OffloadSyncState
-from ..features.prefetch_votes import RIDE_ACK, RIDE_UPSTREAM, PrefetchVoteState
+from ..features.prefetch_votes import PrefetchVoteState
 from ..guard import Judged
 from ..kit.collectives import Collectives
 from ..kit.decision import Decision, blocking
 from ..kit.environment import Environment, use_environment
-from ..kit.feature import FeatureState, feature_release
-from ..names import ACK, ACK_QUEUES, BY_NAME, OFFLOAD, OFFLOAD_QUEUES, VOTES, SyncName
+from ..kit.feature import FeatureState
+from ..kit.views import Cache
+from ..names import (
+    ACK,
+    ACK_QUEUES,
+    BEST_EFFORT,
+    BY_NAME,
+    OFFLOAD,
+    OFFLOAD_QUEUES,
+    TIMEOUT,
+    VOTES,
+    SyncName,
+)
 
 
 class LaunchRejected(ValueError):
@@ -58,7 +68,7 @@ class Launch:
     hierarchical: bool = False  # --enable-hierarchical-cache
     host_memory_mode: str = "cache"
     storage_backend: Optional[str] = None
-    prefetch_policy: str = "timeout"
+    prefetch_policy: str = TIMEOUT
     linker: Optional[str] = None  # --enable-unified-cache-external-linker: its backend
     other_cache: Optional[str] = None  # a flag that makes SGLang build another cache class
     radix_backend: Optional[str] = None  # --radix-cache-backend (a registered factory)
@@ -147,7 +157,7 @@ def parse_launch(argv: Sequence[str]) -> Launch:
         hierarchical=hierarchical,
         host_memory_mode=str(read("hicache_host_memory_mode", "cache")),
         storage_backend=read("hicache_storage_backend") if hierarchical else None,
-        prefetch_policy=str(read("hicache_storage_prefetch_policy", "timeout")),
+        prefetch_policy=str(read("hicache_storage_prefetch_policy", TIMEOUT)),
         linker=str(read("unified_cache_external_linker_backend") or "default") if linker else None,
         other_cache=other,
         radix_backend=read("radix_cache_backend"),
@@ -242,7 +252,7 @@ def cache_view(launch: Launch) -> CacheView:
         attn_cp_group=Group("attn CP", launch.attn_cp_size),
         attn_tp_group=Group("attn TP", launch.attn_tp_size),
         enable_storage=launch.hierarchical and launch.storage_backend is not None,
-        prefetch_stop_policy=launch.prefetch_policy if launch.hierarchical else "best_effort",
+        prefetch_stop_policy=launch.prefetch_policy if launch.hierarchical else BEST_EFFORT,
         tree_core=SimpleNamespace(write_back_duplicate_reclaim_digest=0),
     )
 
@@ -272,18 +282,18 @@ def judge(launch: Launch, judged: Judged) -> dict[SyncName, SyncVerdict]:
     keeps off is never built), then the sync's own state on the stand-ins."""
     env = Environment(collectives=COLLECTIVES, judged=judged, metrics=lambda *a: None)
     with installed(env):
-        release = {sync: feature_release(sync) for sync in BY_NAME}
-        view = cache_view(launch)
-        ack = AckCountsState(view, read_settings(), release[ACK], None, env)
-        votes = PrefetchVoteState(view, prefetch_votes_enabled(), release[VOTES], None, env)
-        ack.add_rider(votes)  # as the votes' build() joins the ack counts' state
-        votes.mode = RIDE_ACK if ack.pipelines(view) else RIDE_UPSTREAM  # begin_pass's carrier
+        view = cast(Cache, cache_view(launch))
+        ack = AckCountsState(view, None, env)
+        votes = PrefetchVoteState(view, None, env)
+        ack.add_rider(votes)  # as Feature.build joins a rider to its carrier
         manager = manager_view(launch)
-        offload = OffloadSyncState(manager, offload_sync_enabled(), release[OFFLOAD], env)
+        offload = OffloadSyncState(manager, None, env)
+        # the votes once the group agreed on their carrier (the first passes)
+        votes_path = votes.launch_decision(view, ack.pipelines(view))
         out = {
-            ACK: verdict(ACK, ack, view, launch, judged),
-            VOTES: verdict(VOTES, votes, view, launch, judged),
-            OFFLOAD: verdict(OFFLOAD, offload, manager, launch, judged),
+            ACK: verdict(ACK, ack, ack.decide(view), launch, judged),
+            VOTES: verdict(VOTES, votes, votes_path, launch, judged),
+            OFFLOAD: verdict(OFFLOAD, offload, offload.decide(manager), launch, judged),
         }
     if not launch.decode_offload:
         out[OFFLOAD] = SyncVerdict(OFFLOAD, None, False, note="this launch runs no PD decode KV "
@@ -292,7 +302,7 @@ def judge(launch: Launch, judged: Judged) -> dict[SyncName, SyncVerdict]:
     return out
 
 
-def verdict(sync: SyncName, state: FeatureState, obj: Any, launch: Launch,
+def verdict(sync: SyncName, state: FeatureState, decision: Decision, launch: Launch,
             judged: Judged) -> SyncVerdict:  # fmt: skip
     off = guard_decision(sync, judged)
     if off is not None:  # register() registers no hook: nothing logged, path info "off"
@@ -301,9 +311,6 @@ def verdict(sync: SyncName, state: FeatureState, obj: Any, launch: Launch,
         why = (f"{launch.other_cache}: SGLang builds a cache whose own check_hicache_events "
                "the plugin does not hook")  # fmt: skip
         return SyncVerdict(sync, blocking(why, "hooks_missing"), False)
-    decision = state.decide(obj)
-    if decision.code == "agreeing" and isinstance(state, PrefetchVoteState):
-        decision = state.eligible(obj)  # eligible; the group agrees in the first passes
     notes = []
     if decision.span is not None:
         notes.append("the TP group must span attn CP x attn TP: checked over the group at "
@@ -322,13 +329,13 @@ def verdict(sync: SyncName, state: FeatureState, obj: Any, launch: Launch,
 def guard_decision(sync: SyncName, judged: Judged) -> Optional[Decision]:
     """Why register() hooks nothing of ``sync`` (its reason code as the path info series
     shows it), or None where it does."""
+    code = judged.stand_down(sync)
+    if code is None:
+        return None
     if judged.verdict is None:
         return blocking("the version guard could not judge this SGLang", "untested_release")
-    fv = judged.verdict.feature(sync)
-    if fv.status == "tested" or (fv.status == "untested" and judged.untested_ok):
-        return None
-    summary = fv.summary(judged.verdict)
-    return blocking(summary, "not_in_release" if fv.status == "absent" else "untested_release")
+    summary = judged.verdict.feature(sync).summary(judged.verdict)
+    return blocking(summary, "not_in_release" if code == "not_in_release" else "untested_release")
 
 
 @contextmanager

@@ -73,7 +73,7 @@ def current_depth(arm: workload.Arm) -> int:
     from hicache_async_ack.sglang_plugin import state_of
 
     state = state_of(arm.sim.cache, "ack_counts") if arm.sim is not None else None
-    return state.sync_core.depth if state is not None and state.sync_core is not None else 0
+    return state.core.depth if state is not None and state.core is not None else 0
 
 
 def bench_rank(ctx, cfg: dict) -> dict:

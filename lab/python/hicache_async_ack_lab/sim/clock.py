@@ -1,7 +1,7 @@
 """Model time for auto depth: what the depth rule sees comes from a latency
 model, never from the wall clock, so a busy box cannot change it.
 
-:class:`ModelClock` is the clock handed to the protocol's ``PipelinedAckSync``:
+:class:`ModelClock` is the clock handed to the protocol's ``PipelinedReduce``:
 the owner advances it by a step's forward, and a wait on a :func:`modelled`
 reduce advances it to when the model says that reduce completes. The real
 collective underneath still runs (over gloo in the multi-rank tests); it only

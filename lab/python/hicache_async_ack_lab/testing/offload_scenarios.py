@@ -8,28 +8,75 @@ everything (``drain_before_retraction``, the same step on every rank), then
 ``check_offload_progress`` runs. What each step popped is recorded.
 
 Spec keys: name, seed, steps, drain (extra steps with no traffic), env /
-rank_env ({rank: settings}), retract (probability per step), expect_error.
+rank_env ({rank: settings}), retract (probability per step), expect_error, metrics
+(SGLang's metrics on: PROMETHEUS_MULTIPROC_DIR set, as --enable-metrics does; the sync's
+failures counter is read back), reorder_from (from that step, the first time the last
+reduce agreed on 3 or more offloads, the 2nd and 3rd swap on every rank: a FIFO
+violation between the reduce's issue and its consume).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import random
+import shutil
+import tempfile
 import traceback
 
 from hicache_async_ack.env import ENABLE_VAR, OFFLOAD_SYNC_VAR
+from hicache_async_ack.metrics import FAILURE_REASONS, OffloadSyncMetrics
+from hicache_async_ack.names import LOGGER_NAME
 from hicache_async_ack_lab.sim.offload import build_manager
 from hicache_async_ack_lab.testing.spec_ranks import run_specs
 
 VARS = (ENABLE_VAR, OFFLOAD_SYNC_VAR)
 
 
+class Errors(logging.Handler):
+    """The plugin's error lines, as an operator's log would show them."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def run_offload_scenario(spec: dict, rank: int, world: int, group) -> dict:
+    metrics_dir = tempfile.mkdtemp(prefix="offload-metrics-") if spec.get("metrics") else None
+    if metrics_dir is not None:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    errors = Errors()
+    logging.getLogger(LOGGER_NAME).addHandler(errors)
+    try:
+        # the rank's series outlive a spec (one label set per rank): count from here
+        before = failures(OffloadSyncMetrics({"tp_rank": rank})) if metrics_dir else {}
+        out = run_with(spec, rank, world, group, errors)
+        if out["failures"] is not None:
+            out["failures"] = {r: n - before.get(r, 0) for r, n in out["failures"].items()}
+        return out
+    finally:
+        logging.getLogger(LOGGER_NAME).removeHandler(errors)
+        if metrics_dir is not None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def failures(metrics) -> dict:
+    """The sync's failures counter, by reason (read back from its series)."""
+    return {r: metrics.counter("failures", r)._value.get() for r in FAILURE_REASONS}
+
+
+def run_with(spec: dict, rank: int, world: int, group, errors: Errors) -> dict:
     om = build_manager(group, world)
     shared = random.Random(spec["seed"])
     local = random.Random(spec["seed"] * 1000 + rank)
     later: list[tuple[int, int]] = []  # (arrival step, uid) of backups not yet acked
     uid = 0  # the same on every rank: entries are named where they start
     per_step: list = []
+    issued = 0
     added = {"offload": 0, "backup": 0}
     out: dict = {"retractions": 0}
     step = 0
@@ -49,10 +96,16 @@ def run_offload_scenario(spec: dict, rank: int, world: int, group) -> dict:
                 later.remove((at, b))
                 om.add_backup(uid=b)
                 added["backup"] += 1
+            q = om.cc.ack_write_queue
+            reorder = step >= spec.get("reorder_from", 1 << 30) and "reordered" not in out
+            if reorder and issued >= 3:
+                q[1], q[2] = q[2], q[1]  # entries the reduce in flight agreed on, out of order
+                out["reordered"] = step
             if step < spec["steps"] and shared.random() < spec.get("retract", 0.0):
                 om.manager.drain_before_retraction()
                 out["retractions"] += 1
             om.manager.check_offload_progress()
+            issued = len(om.cc.ack_write_queue)  # what the next reduce counts
             per_step.append([list(p) for p in om.take_pops()])
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
@@ -61,6 +114,9 @@ def run_offload_scenario(spec: dict, rank: int, world: int, group) -> dict:
     from hicache_async_ack.sglang_plugin import state_of
 
     state = state_of(om.manager, "decode_offload")
+    metrics = getattr(state, "metrics", None)
+    out["failures"] = failures(metrics) if hasattr(metrics, "counter") else None
+    out["logged_errors"] = errors.lines
     out.update(
         per_step=per_step,
         added=added,
