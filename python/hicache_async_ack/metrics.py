@@ -61,6 +61,90 @@ class Family(NamedTuple):
     buckets: tuple[float, ...] = ()
 
 
+# Every family, declared once, by the row's name: (key, kind, name, help, extra label,
+# buckets); a SyncSeries subclass reads its own (``declared``).
+FAMILIES: dict[str, tuple[Family, ...]] = {
+    name: tuple(Family(*f) for f in families)
+    for name, families in {
+    ACK_COUNTS.name: (
+        ("pipelined", GAUGE, "sglang:hicache_ack_sync_pipelined",
+         "1 while this rank pipelines the HiCache ack-count all_reduce, 0 on the "
+         "blocking path. Every rank of a group must show the same value.", None, ()),
+        ("depth", GAUGE, "sglang:hicache_ack_sync_depth",
+         "Reduces in flight: acks are popped this many steps late (0 on the "
+         "blocking path). Identical on every rank of a group.", None, ()),
+        ("group_size", GAUGE, "sglang:hicache_ack_sync_group_size",
+         "Ranks in the group this rank's pipelined reduce spans (0 on the blocking "
+         "path): a group that exports fewer pipelined series than this has ranks "
+         "without the plugin's metrics.", None, ()),
+        ("wait", HISTOGRAM, "sglang:hicache_ack_sync_wait_seconds",
+         "Time a scheduler step waited on the due ack-count reduce, observed "
+         "for steps that had one due (about 0 while the reduce is hidden behind "
+         "the forward). rate(_sum) is the share of wall time spent waiting.", None,
+         WAIT_BUCKETS),
+        ("issue", HISTOGRAM, "sglang:hicache_ack_sync_issue_seconds",
+         "Time a pipelined scheduler step spent counting ready entries and "
+         "issuing the next ack-count reduce.", None, ISSUE_BUCKETS),
+        ("popped", COUNTER, "sglang:hicache_ack_sync_popped_entries",
+         "Acks and storage control entries popped on the group's agreement, per "
+         "queue. Every TP rank reports the same logical count under its own rank "
+         "labels; read one rank rather than summing ranks.", "queue", ()),
+        ("failures", COUNTER, "sglang:hicache_ack_sync_failures",
+         "Ack-count sync errors, by reason: ranks that disagree (mismatch) or "
+         "a failed collective (failure). The scheduler stops after one.", "reason", ()),
+    ),
+    PREFETCH_VOTES.name: (
+        ("pipelined", GAUGE, "sglang:hicache_prefetch_votes_pipelined",
+         "1 while this rank decides storage prefetch deadlines with the votes riding "
+         "one reduce per pass, 0 on SGLang's per-request blocking reduce.", None, ()),
+        ("wait", HISTOGRAM, "sglang:hicache_prefetch_votes_wait_seconds",
+         "Kept at 0: the votes ride the ack counts' reduce, whose wait is "
+         "sglang:hicache_ack_sync_wait_seconds.", None, WAIT_BUCKETS),
+        ("issue", HISTOGRAM, "sglang:hicache_prefetch_votes_issue_seconds",
+         "Time a scheduling pass spent closing its walk into the votes' section.",
+         None, ISSUE_BUCKETS),
+        ("voted", COUNTER, "sglang:hicache_prefetch_votes_operations",
+         "Storage prefetch reaches voted on: one per request the waiting-queue walk "
+         "reached.", None, ()),
+        ("fallback", COUNTER, "sglang:hicache_prefetch_votes_fallback_reaches",
+         "Reaches past a section's 256 slots in one walk: voted in overflow exchanges "
+         "where the section is read back (one blocking reduce per 256 of them).",
+         None, ()),
+        ("stopped", COUNTER, "sglang:hicache_prefetch_votes_stopped",
+         "Storage prefetch operations stopped on the group's verdict (deadline, or "
+         "best_effort's reach).", None, ()),
+        ("failures", COUNTER, "sglang:hicache_prefetch_votes_failures",
+         "Prefetch vote errors: ranks that disagree (mismatch) or a failed collective.",
+         "reason", ()),
+        ("held", COUNTER, "sglang:hicache_prefetch_votes_held_starts",
+         "Storage prefetch starts held until the decisions stock had made when their "
+         "request arrived had landed here: a read in flight from their anchor covered "
+         "part of their remainder.", None, ()),
+        ("read_once_waits", COUNTER, "sglang:hicache_prefetch_read_once_waits",
+         "Requests that waited for a read in flight from their anchor to land instead of "
+         "reading it again from L3 (SGLANG_ENABLE_HICACHE_ASYNC_PREFETCH_READ_ONCE=1).",
+         None, ()),
+        ("read_once_saved", COUNTER, "sglang:hicache_prefetch_read_once_saved_tokens",
+         "Tokens those requests then found on the host instead of reading them from L3.",
+         None, ()),
+    ),
+    DECODE_OFFLOAD.name: (
+        ("pipelined", GAUGE, "sglang:hicache_decode_offload_sync_pipelined",
+         "1 while PD decode offload progress is pipelined, 0 on SGLang's blocking reduce.",
+         None, ()),
+        ("wait", HISTOGRAM, "sglang:hicache_decode_offload_sync_wait_seconds",
+         "Time a decode step waited on the previous step's offload reduce.", None,
+         WAIT_BUCKETS),
+        ("popped", COUNTER, "sglang:hicache_decode_offload_sync_popped_entries",
+         "Offload acks and storage backups popped on the group's agreement.", "queue", ()),
+        ("failures", COUNTER, "sglang:hicache_decode_offload_sync_failures",
+         "Decode offload sync errors, by reason: ranks that disagree (mismatch) or a "
+         "failed collective (failure). The scheduler stops after one.", "reason", ()),
+    ),
+    }.items()
+}  # fmt: skip
+
+
 class Gauge(Protocol):
     def set(self, value: float) -> None: ...
 
@@ -88,6 +172,7 @@ class SyncSeries:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        cls.declared = FAMILIES[cls.sync.name]
         SyncSeries.by_sync[cls.sync.name] = cls
 
     def __init__(self, labels: Mapping[str, object], metrics_collector: object = None):
@@ -170,33 +255,6 @@ class AckSyncMetrics(SyncSeries):
     """One cache's ack-count series."""
 
     sync = ACK_COUNTS
-    declared = (
-        Family("pipelined", GAUGE, "sglang:hicache_ack_sync_pipelined",
-               "1 while this rank pipelines the HiCache ack-count all_reduce, 0 on the "
-               "blocking path. Every rank of a group must show the same value."),
-        Family("depth", GAUGE, "sglang:hicache_ack_sync_depth",
-               "Reduces in flight: acks are popped this many steps late (0 on the "
-               "blocking path). Identical on every rank of a group."),
-        Family("group_size", GAUGE, "sglang:hicache_ack_sync_group_size",
-               "Ranks in the group this rank's pipelined reduce spans (0 on the blocking "
-               "path): a group that exports fewer pipelined series than this has ranks "
-               "without the plugin's metrics."),
-        Family("wait", HISTOGRAM, "sglang:hicache_ack_sync_wait_seconds",
-               "Time a scheduler step waited on the due ack-count reduce, observed "
-               "for steps that had one due (about 0 while the reduce is hidden behind "
-               "the forward). rate(_sum) is the share of wall time spent waiting.", None,
-               WAIT_BUCKETS),
-        Family("issue", HISTOGRAM, "sglang:hicache_ack_sync_issue_seconds",
-               "Time a pipelined scheduler step spent counting ready entries and "
-               "issuing the next ack-count reduce.", None, ISSUE_BUCKETS),
-        Family("popped", COUNTER, "sglang:hicache_ack_sync_popped_entries",
-               "Acks and storage control entries popped on the group's agreement, per "
-               "queue. Every TP rank reports the same logical count under its own rank "
-               "labels; read one rank rather than summing ranks.", "queue"),
-        Family("failures", COUNTER, "sglang:hicache_ack_sync_failures",
-               "Ack-count sync errors, by reason: ranks that disagree (mismatch) or "
-               "a failed collective (failure). The scheduler stops after one.", "reason"),
-    )  # fmt: skip
 
     def __init__(self, labels: Mapping[str, object], metrics_collector: object = None):
         super().__init__(labels, metrics_collector)
@@ -218,38 +276,6 @@ class PrefetchVoteMetrics(SyncSeries):
     """One cache's prefetch-vote series."""
 
     sync = PREFETCH_VOTES
-    declared = (
-        Family("pipelined", GAUGE, "sglang:hicache_prefetch_votes_pipelined",
-               "1 while this rank decides storage prefetch deadlines with the votes riding "
-               "one reduce per pass, 0 on SGLang's per-request blocking reduce."),
-        Family("wait", HISTOGRAM, "sglang:hicache_prefetch_votes_wait_seconds",
-               "Kept at 0: the votes ride the ack counts' reduce, whose wait is "
-               "sglang:hicache_ack_sync_wait_seconds.", None, WAIT_BUCKETS),
-        Family("issue", HISTOGRAM, "sglang:hicache_prefetch_votes_issue_seconds",
-               "Time a scheduling pass spent closing its walk into the votes' section.",
-               None, ISSUE_BUCKETS),
-        Family("voted", COUNTER, "sglang:hicache_prefetch_votes_operations",
-               "Storage prefetch reaches voted on: one per request the waiting-queue walk "
-               "reached."),
-        Family("fallback", COUNTER, "sglang:hicache_prefetch_votes_fallback_reaches",
-               "Reaches past a section's 256 slots in one walk: voted in overflow exchanges "
-               "where the section is read back (one blocking reduce per 256 of them)."),
-        Family("stopped", COUNTER, "sglang:hicache_prefetch_votes_stopped",
-               "Storage prefetch operations stopped on the group's verdict (deadline, or "
-               "best_effort's reach)."),
-        Family("failures", COUNTER, "sglang:hicache_prefetch_votes_failures",
-               "Prefetch vote errors: ranks that disagree (mismatch) or a failed collective.",
-               "reason"),
-        Family("held", COUNTER, "sglang:hicache_prefetch_votes_held_starts",
-               "Storage prefetch starts held until the decisions stock had made when their "
-               "request arrived had landed here: a read in flight from their anchor covered "
-               "part of their remainder."),
-        Family("read_once_waits", COUNTER, "sglang:hicache_prefetch_read_once_waits",
-               "Requests that waited for a read in flight from their anchor to land instead "
-               "of reading it again from L3 (SGLANG_ENABLE_HICACHE_ASYNC_PREFETCH_READ_ONCE=1)."),
-        Family("read_once_saved", COUNTER, "sglang:hicache_prefetch_read_once_saved_tokens",
-               "Tokens those requests then found on the host instead of reading them from L3."),
-    )  # fmt: skip
 
     def on_pass(
         self, wait_s: Optional[float], issue_s: float, voted: int, overflow: int = 0
@@ -280,19 +306,6 @@ class OffloadSyncMetrics(SyncSeries):
     """The decode offload sync's series (created when SGLang's metrics are on)."""
 
     sync = DECODE_OFFLOAD
-    declared = (
-        Family("pipelined", GAUGE, "sglang:hicache_decode_offload_sync_pipelined",
-               "1 while PD decode offload progress is pipelined, 0 on SGLang's blocking "
-               "reduce."),
-        Family("wait", HISTOGRAM, "sglang:hicache_decode_offload_sync_wait_seconds",
-               "Time a decode step waited on the previous step's offload reduce.", None,
-               WAIT_BUCKETS),
-        Family("popped", COUNTER, "sglang:hicache_decode_offload_sync_popped_entries",
-               "Offload acks and storage backups popped on the group's agreement.", "queue"),
-        Family("failures", COUNTER, "sglang:hicache_decode_offload_sync_failures",
-               "Decode offload sync errors, by reason: ranks that disagree (mismatch) or a "
-               "failed collective (failure). The scheduler stops after one.", "reason"),
-    )  # fmt: skip
 
     @staticmethod
     def queue_label(name: Hashable) -> str:
@@ -311,8 +324,6 @@ def exported(cls: type[SyncSeries]) -> tuple[str, ...]:
     return tuple(f.name + ("_total" if f.kind == COUNTER else "") for f in cls.declared)
 
 
-# Every family, by sync name (the row's): (key, kind, name, help, extra label, buckets).
-FAMILIES: dict[str, tuple[Family, ...]] = {n: c.declared for n, c in SyncSeries.by_sync.items()}
 # The ack counts' series, in declaration order (monitoring/ reads these).
 SERIES = exported(AckSyncMetrics)
 

@@ -7,7 +7,7 @@ template (:mod:`..kit.owner`), its per-cache state and its hooks. Upstream's own
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, Optional, Sequence, cast
+from typing import Any, Callable, Hashable, Mapping, Optional, Sequence, cast
 
 from .. import __version__
 from ..env import (
@@ -26,7 +26,7 @@ from ..kit.feature import Feature, feature_release
 from ..kit.groups import group_decision, no_span_reason
 from ..kit.hooks import Fn
 from ..kit.owner import OwnerState, Pops
-from ..kit.views import Cache, Controller, SyncMetrics
+from ..kit.views import AckMetrics, Cache, Controller, SyncMetrics
 from ..names import (
     ACK_COUNTS,
     ACK_QUEUES,
@@ -40,9 +40,6 @@ from ..protocol.reduce import Consumed
 from ..protocol.stamp import PROTOCOL_VERSION, STORAGE_FLAG
 from ..protocol.votes import VOTES_PROTOCOL
 from ..wire import protocol_hint
-
-if TYPE_CHECKING:  # imported only where metrics are on (metrics.py says why)
-    from ..metrics import AckSyncMetrics
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -182,9 +179,9 @@ class AckCountsState(OwnerState[Cache]):
         if self.metrics is not None:
             self.ack_metrics().on_path(decision.pipelined, now, decision.world_size)
 
-    def ack_metrics(self) -> "AckSyncMetrics":
+    def ack_metrics(self) -> AckMetrics:
         """The metrics as the ack counts' own series (a test's sink takes the same calls)."""
-        return cast("AckSyncMetrics", self.metrics)
+        return cast(AckMetrics, self.metrics)
 
     def pipelined_details(self, decision: Decision) -> Sequence[str]:
         depth = f"auto from {self.settings.depth}" if self.settings.auto else self.settings.depth

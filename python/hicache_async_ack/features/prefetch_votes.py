@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, Optional, Sequence, cast
+from typing import Any, Callable, Hashable, Mapping, Optional, Sequence, cast
 
 from ..env import ENABLE_VAR, PREFETCH_VOTES_VAR, READ_ONCE_VAR, read_once_enabled
 from ..errors import PrefetchVoteError, PrefetchVoteMismatch
@@ -26,7 +26,7 @@ from ..kit.decision import Decision, blocking, missing_attrs, untested_release
 from ..kit.environment import Environment
 from ..kit.feature import Carrier, Feature, FeatureState, feature_release, state_of
 from ..kit.groups import group_decision
-from ..kit.views import Cache, Operation, Request
+from ..kit.views import Cache, Operation, Request, VoteMetrics
 from ..names import ACK, BEST_EFFORT, LOGGER_NAME, PREFETCH_VOTES, STOP_POLICIES, TIMEOUT
 from ..protocol.errors import ProtocolError
 from ..protocol.stamp import (
@@ -43,9 +43,6 @@ from ..protocol.votes import VOTE_SLOTS, VOTES_PROTOCOL, Ballot, Exchange, VoteB
 from ..wire import protocol_hint
 from .vote_landing import PREDICATE, Landing, operation_key
 from .vote_starts import READ_ONCE, Remainder, Start, Starts
-
-if TYPE_CHECKING:  # imported only where metrics are on (metrics.py says why)
-    from ..metrics import PrefetchVoteMetrics
 
 logger = logging.getLogger(LOGGER_NAME)
 REQUIRED_ATTRS = ("ongoing_prefetch", "prefetch_stop_policy", "pp_rank", "enable_storage")
@@ -177,9 +174,9 @@ class PrefetchVoteState(FeatureState):
         self.active = False
         super().failed(cast(PrefetchVoteError, exc))
 
-    def vote_metrics(self) -> Optional["PrefetchVoteMetrics"]:
+    def vote_metrics(self) -> Optional[VoteMetrics]:
         """The metrics as the votes' own series (a test's sink takes the same calls)."""
-        return cast(Optional["PrefetchVoteMetrics"], self.metrics)
+        return cast(Optional[VoteMetrics], self.metrics)
 
     def begin_pass(self, cache: Cache, carrier: Carrier) -> None:
         """Before check_hicache_events: release the last pass's pins, pick the carrier
@@ -254,6 +251,11 @@ class PrefetchVoteState(FeatureState):
         if awaited and handle not in cache.ongoing_prefetch:
             self.run_starts(cache, self.starts.landed(cache))
         return done
+
+    def forget(self) -> None:
+        """The tree was reset (flush_cache): pins and held starts go with it."""
+        self.landing.pins.forget()
+        self.starts.forget()
 
     def aborted(self, cache: Cache, handle: Hashable) -> None:
         """release_aborted_request ran: a held start is dropped, a read's waiters run."""

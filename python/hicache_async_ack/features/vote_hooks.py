@@ -3,12 +3,12 @@ scheduler's side; each hands the call to :class:`~.prefetch_votes.PrefetchVoteSt
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Optional, Sequence, cast
+from typing import Any, Callable, Hashable, Optional, Sequence, cast
 
 from ..guard import CACHE_CLASS
 from ..kit.hooks import Fn
 from ..kit.views import Adder, Cache, Operation, Request, Scheduler
-from .prefetch_votes import ADDER_CLASS, FEATURE, SCHEDULER_CLASS, votes_of
+from .prefetch_votes import ADDER_CLASS, FEATURE, SCHEDULER_CLASS, PrefetchVoteState, votes_of
 from .vote_starts import Remainder
 
 # Target: sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.
@@ -139,9 +139,7 @@ def after_release_aborted_request(
     Why: an aborted request's held start never runs; an aborted read ends a wait on it.
     How: drops the request's held start; runs the starts waiting on its read.
     Stands down: nothing held: nothing to do."""
-    state = votes_of(cache)
-    if state is not None:
-        state.aborted(cache, request)
+    with_votes(cache, lambda state: state.aborted(cache, request))
     return result
 
 
@@ -154,16 +152,19 @@ def after_finish_storage_prefetch_admission(
     How: drops the host lock a stop put on its pages (the load-back holds them now).
     Stands down: never holds anything."""
     unpin(cache, request, "admission")
-    state = votes_of(cache)
-    if state is not None:
-        state.starts.admitted(request)
+    with_votes(cache, lambda state: state.starts.admitted(request))
     return result
 
 
 def unpin(cache: Cache, request: Hashable, why: str) -> None:
+    with_votes(cache, lambda state: state.landing.pins.release(cache, request, why))
+
+
+def with_votes(cache: Optional[Cache], act: Callable[[PrefetchVoteState], object]) -> None:
+    """``act`` on the cache's vote state, where it has one."""
     state = votes_of(cache)
     if state is not None:
-        state.landing.pins.release(cache, request, why)
+        act(state)
 
 
 @FEATURE.hook(CACHE_CLASS, "reset", "AFTER")
@@ -172,10 +173,7 @@ def after_reset(result: object, cache: Cache, *args: object, **kwargs: object) -
     Why: the tree and every prefetch are gone; so are the pins' nodes.
     How: forgets the pins (verdicts find operations by identity).
     Stands down: never holds anything."""
-    state = votes_of(cache)
-    if state is not None:
-        state.landing.pins.forget()
-        state.starts.forget()
+    with_votes(cache, PrefetchVoteState.forget)
     return result
 
 
@@ -190,9 +188,7 @@ def after_account_prefill_cache_admission(
     Why: the adder calls it for every request it admits, in order.
     How: notes (request, prefix length, extend length) for the section.
     Stands down: outside a held interval."""
-    state = votes_of(adder.tree_cache)
-    if state is not None:
-        state.admit(req, prefix_len)
+    with_votes(adder.tree_cache, lambda state: state.admit(req, prefix_len))
     return result
 
 

@@ -172,6 +172,28 @@ class SyncMetrics(Protocol):
     def on_failure(self, reason: str) -> None: ...
 
 
-__all__ = ["Adder", "Cache", "Controller", "InsertResult", "LockReceipt", "OffloadController",
-    "OffloadManager", "Ongoing", "Operation", "PrefetchWait", "RadixKey", "Request",
-    "RequestHandle", "Scheduler", "SyncMetrics", "TreeCore"]  # fmt: skip
+class AckMetrics(SyncMetrics, Protocol):
+    """The ack counts' series (metrics.AckSyncMetrics): the depth and group size too."""
+
+    def on_path(
+        self, pipelined: bool, depth: int = 0, group_size: Optional[int] = None
+    ) -> None: ...
+
+
+class VoteMetrics(SyncMetrics, Protocol):
+    """The prefetch votes' series (metrics.PrefetchVoteMetrics)."""
+
+    def on_pass(
+        self, wait_s: Optional[float], issue_s: float, voted: int, overflow: int = 0
+    ) -> None: ...
+
+    def on_stop(self, n: int = 1) -> None: ...
+
+    def on_hold(self, why: str) -> None: ...
+
+    def on_read_once(self, saved_tokens: int) -> None: ...
+
+
+__all__ = ["AckMetrics", "Adder", "Cache", "Controller", "InsertResult", "LockReceipt",
+    "OffloadController", "OffloadManager", "Ongoing", "Operation", "PrefetchWait", "RadixKey",
+    "Request", "RequestHandle", "Scheduler", "SyncMetrics", "TreeCore", "VoteMetrics"]  # fmt: skip
