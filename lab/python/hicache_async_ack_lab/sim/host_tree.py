@@ -360,6 +360,7 @@ class HostTree(SimTreeCore):
         return freed
 
     def reset(self) -> None:
-        """``flush_cache``: the tree is empty (the pool is cleared by the cache)."""
-        self.root.children.clear()
+        """``flush_cache``: the tree is empty, its locks gone with it (upstream builds
+        a new root; the pool is cleared by the cache)."""
+        self.root = TreeNode(ROOT, None, (), device=True, written=True)
         self.nodes = {ROOT: self.root}

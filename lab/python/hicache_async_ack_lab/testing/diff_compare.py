@@ -28,6 +28,7 @@ from hicache_async_ack_lab.testing.diff_records import (  # noqa: F401 (re-expor
     RUN_KEYS,
     admissions,
     ends,
+    lateness,
     lifecycle,
     limited_by,
     passes_of,
@@ -45,25 +46,6 @@ PRELOAD = (
     "sglang.srt.session.streaming_session",
     "hicache_async_ack_lab.testing.differential",
 )
-
-
-def lateness(spec: dict, stock: dict, plugin: dict, most: int):
-    """``late_ok(key, stock_pass, plugin_pass)``: the plugin may admit at most
-    ``most`` passes later (from the request's arrival in each run), or later
-    where its walk could not reach the request (a full pass, a cutoff)."""
-    s_arr, p_arr = passes_of(stock, "arrived"), passes_of(plugin, "arrived")
-    limits = spec.get("limits", {})
-    full = set(limits.get("full", ()))
-    cutoff = {int(q): a for q, a in limits.get("cutoff", {}).items()}
-
-    def blocked(key: str, q: int) -> bool:
-        return q in full or (q in cutoff and p_arr.get(key, -1) >= cutoff[q])
-
-    def late_ok(key: str, s_at: int, p_at: int) -> bool:
-        expected = p_arr.get(key, 0) + s_at - s_arr.get(key, 0)
-        return p_at >= expected and all(blocked(key, q) for q in range(expected + most, p_at))
-
-    return late_ok
 
 
 def compare_requests(rank: int, s: dict, p: dict) -> list[str]:

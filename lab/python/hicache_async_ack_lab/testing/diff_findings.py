@@ -12,6 +12,7 @@ their own.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from hicache_async_ack.env import DEPTH_VAR, PREFETCH_VOTES_VAR
@@ -233,4 +234,54 @@ VOTES_OFF_FINDINGS = [
     one("v_deadline_on_stale_progress", [],
         req("r0", 0, 4, [2, 2], HIT4, [[[1, 1], 4]], [5, 5]),
         env={**VOTES_OFF, DEPTH_VAR: "2"}),
+]  # fmt: skip
+
+# A held start adds its own depth + 1 passes: B's remainder is covered by A's read in
+# flight from the same anchor, so its start waits for its interval's decisions; its own
+# deadline is then judged from that later start and lands depth + 1 passes after the
+# walk that reached it. Stock cuts B at pass 4 with 2 tokens; the plugin admits it about
+# 2 (depth + 1) passes after that (the contract allows depth + 1).
+HELD_LATE = [
+    one("h_held_then_cut", [],
+        req("A", 0, 8, None, A8, [[[1, 1], 2]], [12, 12], family=[0, 8]),
+        req("B", 2, 8, [2, 2], A8, [[[1, 1], 2]], family=[0, 4])),
+]  # fmt: skip
+
+# The operator detaches the storage backend and attaches it again while the scheduler is
+# idle (SGLang refuses either otherwise); B then waits on a query that never answers and
+# is reached by every walk: every reach must get its verdict within depth + 1 passes,
+# and (votes off) the switch costs no collective above stock's.
+REATTACH = [
+    # drawn (differential --scenarios 400, the 29th): depth 7, requests arriving after
+    # the attach and reached by every walk; the reaches of a pass a few passes after the
+    # attach get no verdict (the sections of the next two passes are not built)
+    json.loads(
+        '{"mode": "prefill", "world": 2, "policy": "timeout", "host_memory_mode": "cache", "e'
+        'nv": {"SGLANG_HICACHE_ASYNC_ACK_DEPTH": "7"}, "page_size": 4, "host_pages": 17, "cap'
+        'acity": 52, "threshold": 3, "cold": [["cold0", 1], ["cold1", 4], ["cold2", 2]], "lim'
+        'its": {"running": 4, "tokens": 40}, "requests": [{"rid": "r0", "arrive": 6, "tokens"'
+        ': 17, "decode": 1, "budget": [5, 5], "scripts": [{"hit": {"at": [1, 3], "tokens": 0}'
+        ', "progress": [[[2, 4], 0], [[4, 6], 0]], "finish": [5, 7]}, {"hit": {"at": [0, 2], '
+        '"tokens": 8}, "progress": [], "finish": [0, 2]}], "priority": 3}, {"rid": "r1", "arr'
+        'ive": 5, "tokens": 13, "decode": 0, "family": [0, 8], "budget": [5, 5], "scripts": ['
+        '{"hit": {"at": [2, 4], "tokens": 4}, "progress": [], "finish": [2, 4], "error": "que'
+        'ry"}], "priority": 1}, {"rid": "r2", "arrive": 24, "tokens": 23, "decode": 4, "budge'
+        't": null, "scripts": [{"hit": {"at": [0, 2], "tokens": 4}, "progress": [[[0, 2], 2]]'
+        '}, {"hit": {"at": [4, 6], "tokens": 16}, "progress": [], "finish": [5, 7]}]}, {"rid"'
+        ': "r3", "arrive": 27, "tokens": 34, "decode": 3, "budget": [5, 5], "scripts": [{"hit'
+        '": {"at": [12, 14], "tokens": 32}, "progress": [[[12, 14], 22], [[12, 14], 32]], "fi'
+        'nish": [15, 17]}, {"hit": {"at": [2, 4], "tokens": 4}, "progress": [[[2, 4], 2]], "f'
+        'inish": [5, 7]}]}, {"rid": "r4", "arrive": 27, "tokens": 5, "decode": 4, "family": ['
+        '0, 4], "budget": null, "scripts": [{"hit": null}], "retract": 28}, {"rid": "r5", "ar'
+        'rive": 25, "tokens": 23, "decode": 2, "family": [0, 4], "budget": [8, 6], "scripts":'
+        ' [{"hit": {"at": [1, 3], "tokens": 0}, "progress": []}, {"hit": {"at": [3, 5], "toke'
+        'ns": 16}, "progress": [[[6, 8], 13], [[9, 11], 16]], "finish": [11, 13]}]}], "skew":'
+        ' [0, 2], "exposed": true, "order": "priority", "warm": [["warm0", 0, 16, false]], "r'
+        'etry": {"interval": 1, "attempts": 1}, "admin": [[20, "detach"], [22, "attach"]], "p'
+        'asses": 87, "name": "d_reattach_reaches", "negative": []}'
+    ),
+    one("d_reattach_votes_off", [],
+        req("A", 0, 4, [2, 2], HIT4, [[[1, 1], 4]], [1, 1]),
+        req("B", 11, 4, [3, 3]),
+        admin=[[8, "detach"], [10, "attach"]], env={DEPTH_VAR: "2", **VOTES_OFF}, passes=30),
 ]  # fmt: skip

@@ -55,8 +55,7 @@ def in_flight(spec: dict, s: dict, p: dict) -> int:
 
 
 ITEMS: dict[str, Counter] = {
-    "host match (admitted with host tokens)": lambda spec, s, p: events(
-        s, "admitted", lambda d: len(d) > 2 and d[2] > 0),
+    "host match (admitted with host tokens)": lambda spec, s, p: events(s, "host_loaded"),
     "shared prefix in flight at arrival": in_flight,
     "prefix inserted under a match": lambda spec, s, p: events(s, "inserted", lambda d: d[1] > 0),
     "order fcfs": spec_is(lambda x: x.get("order", "fcfs") == "fcfs"),

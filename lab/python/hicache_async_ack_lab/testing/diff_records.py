@@ -17,7 +17,9 @@ READ_ONCE_VAR = getattr(
 WALK_LIMITS = ("token_budget", "batch_full", "refused")
 # Timer starts are not outcomes: the plugin's walk reaches a request whose read
 # stock had already seen complete (its acks are drained a pass later).
-NOT_OUTCOMES = ("polled", "finished")
+# Nor is which tier a cached page came from: another request's load-back may have
+# put it on the device first (``host_loaded``; the cached tokens are an outcome).
+NOT_OUTCOMES = ("polled", "finished", "host_loaded")
 # The scheduler's side of a request's end: an abort that reaches the plugin's run
 # while the request still waits for an admission stock already made is a race.
 SCHEDULER_ENDS = ("aborted", "admitted", "admission")
@@ -56,6 +58,28 @@ def lifecycle(result: dict) -> dict:
 
 def passes_of(result: dict, kind: str) -> dict:
     return {json.dumps(k): at for at, k, what, _ in result["events"] if what == kind}
+
+
+def lateness(spec: dict, stock: dict, plugin: dict, most: int, earlier: bool = False):
+    """``late_ok(key, stock_pass, plugin_pass)``: the plugin may admit at most
+    ``most`` passes later (from the request's arrival in each run), or later
+    where its walk could not reach the request (a full pass, a cutoff); never
+    earlier, unless ``earlier``."""
+    s_arr, p_arr = passes_of(stock, "arrived"), passes_of(plugin, "arrived")
+    limits = spec.get("limits", {})
+    full = set(limits.get("full", ()))
+    cutoff = {int(q): a for q, a in limits.get("cutoff", {}).items()}
+
+    def blocked(key: str, q: int) -> bool:
+        return q in full or (q in cutoff and p_arr.get(key, -1) >= cutoff[q])
+
+    def late_ok(key: str, s_at: int, p_at: int) -> bool:
+        expected = p_arr.get(key, 0) + s_at - s_arr.get(key, 0)
+        if p_at < expected:
+            return earlier
+        return all(blocked(key, q) for q in range(expected + most, p_at))
+
+    return late_ok
 
 
 def admissions(result: dict) -> dict:
@@ -125,5 +149,6 @@ RUN_KEYS = ("stats", "metrics", "free_pages", "occupied", "waiting", "ongoing", 
 
 
 def operator(result: dict) -> list:
-    """The operator's flushes, detaches and attaches: (pass done, what)."""
-    return [(e[0], e[2]) for e in result["events"] if e[1] == "operator"]
+    """The operator's flushes, detaches and attaches: (pass done, what, and for a
+    paused engine's flush the prefetches it dropped)."""
+    return [(e[0], e[2], e[3][1:]) for e in result["events"] if e[1] == "operator"]

@@ -159,7 +159,9 @@ class Scheduler:
         key = handle_key(req.cache_request_handle)
         if self.cache.buffer_pipeline is not None:
             self.cache.buffer_pipeline.consume(req.cache_request_handle)
-        self.record.add(key, "admitted", loaded, req.prefix_len, host)
+        self.record.add(key, "admitted", loaded, req.prefix_len)
+        if host > 0:  # whether a cached page is still host-only moves with timing
+            self.record.add(key, "host_loaded", host)
         r = self.requests[req.rid]
         self.running[key] = (req, p + 1 + int(r.get("decode", 2)))
         if r.get("requeue") is not None and self.attempt[req.rid] == 0:
@@ -219,7 +221,9 @@ class Scheduler:
             if busy:
                 continue
             self.admin.remove(item)
-            self.record.add("operator", what, at)
+            # what a flush of a paused engine drops: the prefetches still ongoing
+            dropped = sorted(f"{h.rid}:{h.attempt_id}" for h in self.cache.ongoing_prefetch)
+            self.record.add("operator", what, at, *([dropped] if what == "paused_flush" else []))
             if what in ("flush", "paused_flush"):
                 self.flush()
             elif what == "detach":
