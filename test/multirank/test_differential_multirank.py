@@ -13,8 +13,10 @@ core of sim.host_tree; the plugin reached only through load_plugins().
   many cached tokens at most depth + 1 passes later.
 * Where the walk was not limited by what it admitted, every outcome is stock's.
 * Issue 43's findings keep stock's outcome; issue 47's hold under the contract;
-  issue 52's (items 2 and 3, read once and its wait bound) are marked xfail until
-  the runtime fix lands; each with its negative control where one exists.
+  issue 52's items 2 and 3 (which failed on the runtime of 7c82482) hold, read once
+  reads a shared prefix once and serves a waiting request within its bound; what
+  still fails is xfail(strict=True): read once against the host-served clause, a
+  held start's own lateness, a storage re-attach. Each check has a negative control.
 * A seed set of random scenarios (testing.diff_gen); ``hicache-async-ack-lab
   differential --scenarios 2000`` runs more.
 
