@@ -119,13 +119,19 @@ def test_a_covered_start_waits_for_its_pass_with_read_once_off():
 def test_read_once_waits_on_the_read_once_per_request():
     starts, _ = starts_with_context()
     c = cache(threshold=4, a=("n1", [1, 2, 3, 4, 5, 6]))
-    held = choose(starts, c, "b", [1, 2, 3, 4, 7, 7], read_once=True)
+    held = choose(starts, c, "b", [1, 2, 3, 4], read_once=True)  # all of it in flight
     assert held is not None and held.why == "read_once" and held.awaits == Handle("a")
-    again = choose(starts, c, "b", [1, 2, 3, 4, 7, 7], read_once=True)
+    again = choose(starts, c, "b", [1, 2, 3, 4], read_once=True)
     assert again is not None and again.why == "pass"  # its one wait is used
+    # a rest still worth an L3 read of its own: waits, then reads only that rest
+    long = choose(starts, c, "e", [1, 2, 3, 4, 7, 7, 7, 7], read_once=True)
+    assert long is not None and long.why == "read_once"
     # below stock's threshold the read is not worth waiting for: a pass hold only
     small = choose(starts, c, "d", [1, 2, 9, 9], read_once=True)
     assert small is not None and small.why == "pass"
+    # a rest shorter than the threshold: read once still (SGLang would not read it alone)
+    short_rest = choose(starts, c, "f", [1, 2, 3, 4, 7, 7], read_once=True)
+    assert short_rest is not None and short_rest.why == "read_once"
 
 
 def test_only_a_schedulers_start_is_held():

@@ -289,14 +289,18 @@ class PrefetchVoteState(FeatureState):
             metrics.on_stop(stopped)
         self.run_starts(cache, self.starts.due(token.pass_no))
 
-    def section(self, cache: Cache) -> tuple[list[int], object]:
-        """Close this interval into the section the next reduce carries."""
+    def holds_walk(self, cache: Cache) -> bool:
+        return self.active
+
+    def section(self, cache: Cache, last: bool = False) -> tuple[list[int], object]:
+        """Close this interval into the section the next reduce carries (``last``: its
+        carrier's layout dropped the votes' bit; the next walk is stock's)."""
         t0 = time.perf_counter()
         reaches = len(self.book.reaches)
         values, ballot = self.book.close(
             self.passes, len(cache.ongoing_prefetch), cache.prefetch_stop_policy, self.pass_label()
         )
-        self.active = True
+        self.active = not last
         self.closed_at = self.passes
         self.interval_label = self.label
         past = max(0, reaches - VOTE_SLOTS)
@@ -334,6 +338,7 @@ class PrefetchVoteState(FeatureState):
         sends its digest), so a stock peer or one with the votes off is named."""
         on = int(self.enabled) | int(self.read_once) << 1  # both settings, agreed
         x = pack_stamp(VOTES_PROTOCOL, False, 1, VOTE_SLOTS, 0)
+        self.emit("agreed")
         values = [on, -on] + [0] * (upstream_count_slots(cache) - 2) + [x, -x]
         try:
             reduced = self.collectives.blocking_min(cache)(values)

@@ -15,7 +15,8 @@ their anchors and keys; never a rank's own progress):
 * read once (``READ_ONCE``, its own setting): where the read covers at least
   ``prefetch_threshold`` tokens, until that read lands (complete, cut, aborted, failed,
   or gone with a flush or a detach), once per request; the start then matches the host
-  and reads only the rest.
+  and reads only the rest (a rest shorter than the threshold, SGLang's own bar for an L3
+  read, is not read: up to threshold - 1 tokens fewer than stock's one read brought).
 
 A held start holds nothing (no host page, no budget, no L3 query); its request answers
 "not ready" to the walk until the start has run.
@@ -133,6 +134,8 @@ class Starts:
         awaits, shared = found
         scheduler, req, end = context
         tokens = len(want.tokens) - len(want.tokens) % page
+        # read once where the read ahead brings at least what SGLang deems worth an L3
+        # read (a rest it then finds too short for one is not read: SGLang's own bar)
         if read_once and handle not in self.waited and shared >= cache.prefetch_threshold:
             self.waited.add(handle)
             return Start(handle, scheduler, req, end, tokens, READ_ONCE, awaits, -1)

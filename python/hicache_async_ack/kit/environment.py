@@ -33,8 +33,10 @@ if TYPE_CHECKING:
     from .feature import Feature
 
 # What the prefetch votes report to a sink (reach, verdict, stop, pin, unpin, section;
-# a start held and released).
-EventKind = Literal["reach", "verdict", "stop", "pin", "unpin", "section", "hold", "release"]
+# a start held and released; their own first exchange).
+EventKind = Literal[
+    "reach", "verdict", "stop", "pin", "unpin", "section", "hold", "release", "agreed"
+]
 S = TypeVar("S")
 
 

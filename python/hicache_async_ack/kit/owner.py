@@ -179,8 +179,11 @@ class OwnerState(FeatureState, Generic[Obj], ABC):
         tail: list[int] = []
         tokens = []
         for rider in self.riders:
-            if self.layout >> rider.layout_bit & 1:
-                values, token = rider.section(obj)
+            on = bool(self.layout >> rider.layout_bit & 1)
+            # a walk the rider held when the group dropped its bit still gets its verdicts:
+            # its last section rides (``holds_walk`` is agreed state, as the layout is)
+            if on or rider.holds_walk(obj):
+                values, token = rider.section(obj, last=not on)
                 tail += values
                 tokens.append((rider, token, len(values)))
             else:

@@ -162,7 +162,9 @@ def build(spec: dict, rank: int, world: int, group, clock, log: EventLog, plugin
         from hicache_async_ack.sglang_plugin import init_cache
 
         controls = diff_controls.substitutes(spec.get("control", []))
-        with installed(log, controls):
+        # the scenario's pass clock: auto depth sees no wall-clock wait, so it moves the
+        # same way on every run (a wait in passes is 0 within a pass)
+        with installed(log, controls, clock=lambda: float(clock.now)):
             init_cache(cache, SimpleNamespace(enable_metrics=False))
     return sim, record
 

@@ -22,9 +22,11 @@ was limited by.
   (:func:`spending`; where it was limited they move with the timing and are
   counted, :func:`overspent`).
 * **Host-served** (issue 52): where the walk was not limited, a request stock
-  admitted with cached tokens (from the host, or their device copy another
-  request loaded back) is admitted with at least as many cached tokens, at most
-  depth + 1 passes after stock (:func:`host_served`).
+  served from the host (cached tokens from the host, or their device copy another
+  request loaded back, and no L3 read of its own) is admitted with at least as many
+  cached tokens, at most depth + 1 passes after stock (:func:`host_served`). A
+  request with an L3 read of its own is bound by the read's decisions instead
+  (liveness), depth more where its start was held.
 """
 
 from __future__ import annotations
@@ -161,8 +163,10 @@ def resources(spec: dict, s: dict, p: dict, rank: int) -> list[str]:
     if left_p > left_s:
         out.append(f"resources: rank {rank}: host locks left: plugin {left_p} > "
                    f"stock {left_s}")  # fmt: skip
-    # the plugin's one-time first exchange (the group agreeing on the protocol) aside
-    cs, cp = cumulative(s["collectives"]), [c - 1 for c in cumulative(p["collectives"])]
+    # the plugin's one-time first exchanges (the group agreeing on the protocol: the
+    # ack counts' once, the votes' own where they ride upstream's reduce) aside
+    once = 1 + sum(1 for kind, _ in p.get("plugin_events", []) if kind == "agreed")
+    cs, cp = cumulative(s["collectives"]), [c - once for c in cumulative(p["collectives"])]
     over = [i for i in range(min(len(cs), len(cp))) if cp[i] > cs[i]]
     if over:
         i = over[0]
@@ -231,8 +235,8 @@ def host_served(spec: dict, s: dict, p: dict, rank: int) -> list[str]:
     a_s, a_p = admitted(s), admitted(p)
     late_ok = lateness(spec, s, p, most, earlier=True)
     out = []
-    for key, (at, _, cached, host) in sorted(a_s.items()):
-        if cached <= 0:
+    for key, (at, from_l3, cached, host) in sorted(a_s.items()):
+        if cached <= 0 or from_l3 > 0:  # not served from the host alone
             continue
         got = a_p.get(key)
         if got is None:

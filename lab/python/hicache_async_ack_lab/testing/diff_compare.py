@@ -23,7 +23,7 @@ import json
 from typing import Iterable, Optional
 
 from hicache_async_ack.env import PLUGINS_VAR
-from hicache_async_ack_lab.testing.diff_checks import depth_of, hard_violations
+from hicache_async_ack_lab.testing.diff_checks import hard_violations
 from hicache_async_ack_lab.testing.diff_records import (  # noqa: F401 (re-exported)
     RUN_KEYS,
     admissions,
@@ -31,6 +31,7 @@ from hicache_async_ack_lab.testing.diff_records import (  # noqa: F401 (re-expor
     lateness,
     lifecycle,
     limited_by,
+    most_late,
     passes_of,
     ranks_of,
     read_once,
@@ -63,21 +64,20 @@ def compare_requests(rank: int, s: dict, p: dict) -> list[str]:
 
 def exact_differences(spec: dict, stock: list, plugin: list) -> list[str]:
     """Where the walk was not limited: every outcome stock's, admissions at
-    most depth + 1 passes later."""
+    most depth + 1 passes later (depth more where its start was held)."""
     name, found = spec["name"], []
-    most = depth_of(spec) + 1
     for rank, (s, p) in enumerate(zip(ranks_of(stock, name), ranks_of(plugin, name))):
         found += compare_requests(rank, lifecycle(s), lifecycle(p))
         for key in RUN_KEYS:
             if s[key] != p[key]:
                 found.append(f"rank {rank}: {key}: stock {s[key]} != plugin {p[key]}")
-        late_ok = lateness(spec, s, p, most)
         a_s, a_p = admissions(s), admissions(p)
         found += [
             f"rank {rank}: request {k} admitted at pass {a_p[k]}, stock at {a_s[k]} "
-            "(allowed: depth + 1 later, or later where the walk could not reach it)"
+            "(allowed: depth + 1 later, depth more where its start was held, or later "
+            "where the walk could not reach it)"
             for k in sorted(set(a_s) & set(a_p))
-            if not late_ok(k, a_s[k], a_p[k])
+            if not lateness(spec, s, p, most_late(spec, p, k))(k, a_s[k], a_p[k])
         ]
     return found
 

@@ -77,9 +77,6 @@ def substitutes(names) -> dict:
                 return super().land(cache, token, reduced, exchange)
             self.held = self.held + [self.book.read(token, reduced, exchange)]
 
-        def after_pops(self, cache: Any) -> None:
-            self.flush(cache)
-
         def end_pass(self, cache: Any) -> None:
             self.flush(cache)
             super().end_pass(cache)
@@ -98,7 +95,7 @@ def substitutes(names) -> dict:
                     return bool(original(cache, operation))
             return super().reach(cache, original, operation)
 
-        def section(self, cache: Any) -> tuple[list[int], object]:
+        def section(self, cache: Any, last: bool = False) -> tuple[list[int], object]:
             if "unreached_votes" in names:
                 reached = {id(r.op) for r in self.book.reaches}
                 for h in sorted(cache.ongoing_prefetch, key=key_of):
@@ -106,7 +103,7 @@ def substitutes(names) -> dict:
                     if id(op) not in reached:
                         expired = bool(cache._prefetch_deadline_expired(op))
                         self.book.poll(key_of(h), op, expired)
-            return super().section(cache)
+            return super().section(cache, last)
 
         def admit(self, req: Any, prefix_len: int) -> None:
             if "keys_only" not in names:

@@ -82,6 +82,21 @@ def lateness(spec: dict, stock: dict, plugin: dict, most: int, earlier: bool = F
     return late_ok
 
 
+def held_starts(result: dict) -> set[str]:
+    """The requests whose prefetch start the plugin held until their pass's decisions
+    landed (its ``hold`` events, ``pass``): their own read starts up to depth passes
+    later, so its decisions land up to depth passes later too."""
+    return {json.dumps(f["key"]) for kind, f in result.get("plugin_events", [])
+            if kind == "hold" and f.get("why") == "pass"}  # fmt: skip
+
+
+def most_late(spec: dict, result: dict, key: str) -> int:
+    """How many passes after stock the plugin may admit ``key``: depth + 1, and depth
+    more where its start was held (docs/design.md, "The bound on a held start")."""
+    depth = depth_of(spec)
+    return depth + 1 + (depth if key in held_starts(result) else 0)
+
+
 def admissions(result: dict) -> dict:
     return passes_of(result, "admitted")
 
