@@ -10,7 +10,7 @@ from hicache_async_ack.env import OFFLOAD_SYNC_VAR
 from hicache_async_ack.errors import OffloadSyncMismatch
 from hicache_async_ack.guard import Judged, check_installed
 from hicache_async_ack.protocol import OFFLOAD_CODE
-from hicache_async_ack.sglang_plugin import environment, state_of
+from hicache_async_ack.sglang_plugin import OFFLOAD_FEATURE, environment, state_of
 from hicache_async_ack_lab.sim.collectives import FakeGroup
 from hicache_async_ack_lab.sim.offload import build_manager
 
@@ -118,14 +118,14 @@ def test_setting_off_keeps_upstreams_reduce(make, hub, agreement):
 def test_stands_down_at_world_size_one(make):
     om = make(world=1)
     om.manager.check_offload_progress()
-    assert "world size 1" in state_of(om.manager, "decode_offload").static.reason
+    assert "world size 1" in state_of(OFFLOAD_FEATURE, om.manager).static.reason
 
 
 def test_stands_down_on_an_unverified_release(make, install):
     install(judged=Judged(None))  # no release matched
     om = make()
     om.manager.check_offload_progress()
-    assert state_of(om.manager, "decode_offload").static.code == "untested_release"
+    assert state_of(OFFLOAD_FEATURE, om.manager).static.code == "untested_release"
 
 
 def test_the_live_methods_are_the_verified_ones_under_our_hooks(plugin):

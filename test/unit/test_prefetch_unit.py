@@ -32,7 +32,7 @@ from hicache_async_ack.protocol import (
     VOTES_FLAG,
     VOTES_SETTING_FLAG,
 )
-from hicache_async_ack.sglang_plugin import init_cache, state_of
+from hicache_async_ack.sglang_plugin import ACK_FEATURE, VOTES_FEATURE, init_cache, state_of
 from hicache_async_ack_lab.plugin_env import EventLog
 from hicache_async_ack_lab.sim.prefetch import add_prefetch
 
@@ -86,7 +86,7 @@ def make_prefetch(make_cache, hub, this_release, install):
         install(events=ps.log, metrics=lambda key, labels, collector: (
             metrics if key == PREFETCH_VOTES else None))  # fmt: skip
         init_cache(sim.cache, SimpleNamespace(enable_metrics=metrics is not None))
-        ps.state = state_of(sim.cache, "prefetch_votes")
+        ps.state = state_of(VOTES_FEATURE, sim.cache)
         return ps
 
     return make
@@ -292,10 +292,11 @@ def test_pp_and_untested_releases_stand_down(make_prefetch, install):
     for sync in CACHE_SYNCS:
         ps.cache.__dict__.pop(BY_NAME[sync].state_attr, None)
     init_cache(ps.cache)  # as register() would: no state for a sync it does not hook
-    assert CACHE_SYNCS and all(state_of(ps.cache, sync) is None for sync in CACHE_SYNCS)
+    features = (ACK_FEATURE, VOTES_FEATURE)
+    assert all(state_of(f, ps.cache) is None for f in features)
     # A hook that still runs (hooked before the verdict changed) builds a standing-down state.
     ps.cache.check_hicache_events()
-    state = state_of(ps.cache, "prefetch_votes")
+    state = state_of(VOTES_FEATURE, ps.cache)
     assert state is not None
     assert not state.static.pipelined and state.static.code == "untested_release"
 
@@ -338,7 +339,7 @@ def test_attention_cp_x_tp_rides_where_one_tp_group_spans_both(make_cache, plugi
         )
         add_prefetch(sim)
         init_cache(sim.cache)
-        return state_of(sim.cache, "prefetch_votes").static
+        return state_of(VOTES_FEATURE, sim.cache).static
 
     spans = votes_of(2, 2, 4)
     assert spans.pipelined and spans.span is not None  # the TP group, checked at the first step

@@ -18,7 +18,13 @@ from hicache_async_ack.protocol import (
     PipelinedReduce,
     Stamp,
 )
-from hicache_async_ack.sglang_plugin import AckCountsState, Collectives, init_cache, state_of
+from hicache_async_ack.sglang_plugin import (
+    ACK_FEATURE,
+    AckCountsState,
+    Collectives,
+    init_cache,
+    state_of,
+)
 from hicache_async_ack_lab.sim.collectives import FakeGroup
 from hicache_async_ack_lab.testing.drift import runs_here
 
@@ -191,7 +197,7 @@ def test_storage_pipelines_only_where_the_votes_judge_the_walk(make_cache, hub, 
     from hicache_async_ack.env import PREFETCH_VOTES_VAR
 
     sim = make_cache(tp=2, storage=True, env={PREFETCH_VOTES_VAR: votes})
-    state = state_of(sim.cache, "ack_counts")
+    state = state_of(ACK_FEATURE, sim.cache)
     decision = state.decide(sim.cache)
     rides = votes == "1" and VOTES_HERE
     assert decision.pipelined is rides
@@ -234,7 +240,7 @@ def test_switch_to_blocking_consumes_pending_first(make_cache, hub):
     # the pending agreement popped 2, the blocking sync counted the 3rd
     assert log[-1][1][:2] == [1, 0]
     assert sim.take_pops() == [("write", u) for u in w]
-    assert state_of(sim.cache, "ack_counts").core.pending == 0
+    assert state_of(ACK_FEATURE, sim.cache).core.pending == 0
 
 
 def test_opt_out_env_keeps_blocking_path(make_cache, hub):
@@ -288,7 +294,7 @@ def test_eligibility_rules(make_cache, install, kwargs, changes, pipelined, reas
     install(collectives=with_span(lambda cache, cp, tp: None))
     sim = make_cache(**kwargs)
     sim.cache.__dict__.update(changes)
-    decision = state_of(sim.cache, "ack_counts").decide(sim.cache)
+    decision = state_of(ACK_FEATURE, sim.cache).decide(sim.cache)
     assert decision.pipelined is pipelined
     assert reason in decision.reason
 
@@ -305,7 +311,7 @@ def test_subclass_overriding_check_hicache_events_stays_blocking(plugin, hub):
     sim = build_cache(tp_group=FakeGroup(2), tp_world_size=2)
     sim.cache.__class__ = Custom
     init_cache(sim.cache)
-    decision = state_of(sim.cache, "ack_counts").decide(sim.cache)
+    decision = state_of(ACK_FEATURE, sim.cache).decide(sim.cache)
     assert not decision.pipelined and "overridden" in decision.reason
 
 
@@ -332,7 +338,7 @@ def test_cp_x_tp_pipelines_over_the_spanning_group(make_cache, install):
     sim = make_cache(tp=4, attn_cp_group=FakeGroup(2, "cp"), attn_tp_group=FakeGroup(2, "atp"))
     assert spans == []  # nothing gathered at init: a stock peer would not take part
     sim.cache.check_hicache_events()  # the first exchange, then the layout check
-    decision = state_of(sim.cache, "ack_counts").decide(sim.cache)
+    decision = state_of(ACK_FEATURE, sim.cache).decide(sim.cache)
     assert spans == [("cp", "atp")]
     assert decision.pipelined and decision.group is sim.cache.tp_group
     assert decision.reason == "TP group, equal to attn CP(2) x attn TP(2)"
@@ -393,7 +399,7 @@ def test_second_sync_in_one_step_raises_before_popping_again(make_cache, hub):
         write, load, storage, extra = cache._sync_hicache_ready_counts()
         cache.writing_check(finish_count=write)
 
-    state = state_of(sim.cache, "ack_counts")
+    state = state_of(ACK_FEATURE, sim.cache)
     with pytest.raises(HiCacheAckSyncError, match="called twice in one check_hicache_events"):
         state.step(sim.cache, asks_twice)
     assert sim.take_pops() == [("write", u) for u in w]  # the agreed two, once
@@ -434,7 +440,7 @@ def test_a_depth_change_while_standing_down_is_logged_and_exported(make_cache, i
 
     install(substitutes={"ack_counts": Control}, metrics=lambda key, labels, collector: Sink())
     sim = make_cache(env={DEPTH_VAR: "auto"}, params=SimpleNamespace(enable_metrics=True))
-    state = state_of(sim.cache, "ack_counts")
+    state = state_of(ACK_FEATURE, sim.cache)
     sim.cache.check_hicache_events()
     sim.cache.check_hicache_events()
     assert state.core is not None and state.core.pending

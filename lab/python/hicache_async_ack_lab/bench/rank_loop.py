@@ -70,9 +70,9 @@ def timed_check(arm: workload.Arm, rec: Record, step: int, measured: bool) -> No
 
 
 def current_depth(arm: workload.Arm) -> int:
-    from hicache_async_ack.sglang_plugin import state_of
+    from hicache_async_ack.sglang_plugin import ACK_FEATURE, state_of
 
-    state = state_of(arm.sim.cache, "ack_counts") if arm.sim is not None else None
+    state = state_of(ACK_FEATURE, arm.sim.cache) if arm.sim is not None else None
     return state.core.depth if state is not None and state.core is not None else 0
 
 

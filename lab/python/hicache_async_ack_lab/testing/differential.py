@@ -197,9 +197,9 @@ def live_operations() -> int:
 
 def plugin_state(cache) -> dict:
     """What the plugin's vote state holds (0 each once the run is idle)."""
-    from hicache_async_ack.sglang_plugin import PrefetchVoteState, state_of
+    from hicache_async_ack.sglang_plugin import VOTES_FEATURE, PrefetchVoteState, state_of
 
-    state = state_of(cache, "prefetch_votes")
+    state = state_of(VOTES_FEATURE, cache)
     if not isinstance(state, PrefetchVoteState):
         return {}
     return {"reaches": len(state.book.reaches), "admitted": len(state.book.admitted),

@@ -47,10 +47,10 @@ def run(rank: int, world: int, port: int) -> dict:
         attach_in_tree(cache)
         assert cache.ack_sync is not None, "the in-tree rank must pipeline"
     else:
-        from hicache_async_ack.sglang_plugin import init_cache, state_of
+        from hicache_async_ack.sglang_plugin import ACK_FEATURE, init_cache, state_of
 
         init_cache(cache)
-        state = state_of(cache, "ack_counts")
+        state = state_of(ACK_FEATURE, cache)
         assert state is not None and state.decide(cache).pipelined, "the plugin must pipeline"
     for kind in ("write", "load"):
         sim.add_ack(kind, lambda: True)  # ready everywhere: popped only if agreed

@@ -111,9 +111,9 @@ def run_with(spec: dict, rank: int, world: int, group, errors: Errors) -> dict:
         out["error"] = f"{type(exc).__name__}: {exc}"
         out["traceback"] = traceback.format_exc()
         out["error_step"] = step
-    from hicache_async_ack.sglang_plugin import state_of
+    from hicache_async_ack.sglang_plugin import OFFLOAD_FEATURE, state_of
 
-    state = state_of(om.manager, "decode_offload")
+    state = state_of(OFFLOAD_FEATURE, om.manager)
     metrics = getattr(state, "metrics", None)
     out["failures"] = failures(metrics) if hasattr(metrics, "counter") else None
     out["logged_errors"] = errors.lines

@@ -46,7 +46,7 @@ VARS = (ENABLE_VAR, PREFETCH_VOTES_VAR)
 
 
 def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
-    from hicache_async_ack.sglang_plugin import init_cache
+    from hicache_async_ack.sglang_plugin import VOTES_FEATURE, init_cache
 
     clock = SimpleNamespace(now=-1)
     sim = build_cache(tp_group=group, tp_world_size=world, storage=True)
@@ -145,7 +145,7 @@ def run_prefetch_scenario(spec: dict, rank: int, world: int, group) -> dict:
         out["error_pass"] = p
     from hicache_async_ack.sglang_plugin import state_of
 
-    state = state_of(cache, "prefetch_votes")
+    state = state_of(VOTES_FEATURE, cache)
     out.update(
         per_pass=per_pass,
         added=added,

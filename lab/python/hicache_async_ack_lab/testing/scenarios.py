@@ -29,7 +29,7 @@ from typing import Optional
 
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR
 from hicache_async_ack.protocol import PROTOCOL_VERSION as PLUGIN_PROTOCOL
-from hicache_async_ack.sglang_plugin import environment, init_cache, state_of
+from hicache_async_ack.sglang_plugin import ACK_FEATURE, environment, init_cache, state_of
 from hicache_async_ack_lab.plugin_env import installed
 from hicache_async_ack_lab.sim.cache import build_cache
 from hicache_async_ack_lab.sim.clock import ModelClock, modelled
@@ -118,7 +118,7 @@ class RankDriver:
             model = dict(clock=clock,
                          async_min=lambda g: modelled(base(g), self.latency_s, clock))  # fmt: skip
         if _in_tree:
-            assert state_of(self.sim.cache, "ack_counts") is None  # no plugin
+            assert state_of(ACK_FEATURE, self.sim.cache) is None  # no plugin
             attach_in_tree(self.sim.cache)
         else:
             with installed(**model):
@@ -136,7 +136,7 @@ class RankDriver:
     def state(self):
         if _in_tree:
             return InTreeState(self.sim.cache)
-        state = state_of(self.sim.cache, "ack_counts")
+        state = state_of(ACK_FEATURE, self.sim.cache)
         assert state is not None, "the cache has no ack sync state"
         return state
 

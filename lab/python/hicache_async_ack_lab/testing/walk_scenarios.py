@@ -227,9 +227,9 @@ def run_walk(spec: dict, rank: int, world: int, group) -> dict:
         out["error_pass"] = p
     state = None
     if out["plugin"]:
-        from hicache_async_ack.sglang_plugin import state_of
+        from hicache_async_ack.sglang_plugin import VOTES_FEATURE, state_of
 
-        state = state_of(cache, "prefetch_votes")
+        state = state_of(VOTES_FEATURE, cache)
     out.update(
         per_pass=per_pass,
         left=sorted(h.rid for h in cache.ongoing_prefetch),
