@@ -136,7 +136,7 @@ def test_each_check_is_timed_by_the_latency_then_and_the_passs_kind(tmp_path, mo
     monkeypatch.setenv(pd_standins.PASS_TIMES_DIR_VAR, str(tmp_path / "passes"))
     monkeypatch.delenv(pd_standins.OFFLOAD_COUNT_DIR_VAR, raising=False)
     monkeypatch.setattr(pd_standins.PassTimes, "WRITE_EVERY_S", 0.0)
-    monkeypatch.setattr(pd_standins, "_dist_rank", lambda: 1)
+    monkeypatch.setattr(pd_standins, "dist_rank", lambda: 1)
     monkeypatch.setattr(pd_standins, "PASS_TIMES", {})
     now = [0.0]
 

@@ -10,7 +10,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from hicache_async_ack import __version__
 from hicache_async_ack.env import DEPTH_AUTO, DEPTH_DEFAULT, DEPTH_MAX, DEPTH_VAR, PLUGINS_VAR
@@ -27,6 +27,7 @@ from hicache_async_ack_lab.bench.workload import (
 from hicache_async_ack_lab.cli_support import ToolError
 from hicache_async_ack_lab.fresh import preload
 
+T = TypeVar("T")
 REDUCE_GROUPS = ("shared", "dedicated")
 MIN_STEPS = 20
 DEFAULT_STEPS = 400
@@ -237,13 +238,39 @@ def parse_list(flag: str, raw: str, item, accepted: str) -> tuple:
     return values
 
 
-def _known(choices: tuple[str, ...]):
+def list_of(flag: str, item: Callable[[str], T], accepted: str) -> Callable[[str], tuple[T, ...]]:
+    """An option's type: ``parse_list``'s values, a repeat dropped (the first kept)."""
+
+    def parse(raw: str) -> tuple[T, ...]:
+        return tuple(dict.fromkeys(parse_list(flag, raw, item, accepted)))
+
+    return parse
+
+
+def _known(choices: tuple[str, ...]) -> Callable[[str], str]:
     def item(x: str) -> str:
         if x.lower() not in choices:
             raise ValueError(f"{x!r} is not one of them")
         return x.lower()
 
     return item
+
+
+def choice_list(flag: str, choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    """An option's type: some of ``choices``, in any case, comma-separated."""
+    return list_of(flag, _known(choices), f"a comma-separated list of {', '.join(choices)}")
+
+
+def add_int(
+    p: argparse._ActionsContainer,
+    flag: str,
+    default: Optional[int],
+    lo: int = 1,
+    hi: Optional[int] = None,
+    **kw: Any,
+) -> None:
+    """An integer option from ``lo`` (to ``hi``); a value outside is named with the bounds."""
+    p.add_argument(flag, type=int_in(flag, lo, hi), default=default, **kw)
 
 
 def parse_arms(raw: str) -> tuple[str, ...]:
@@ -262,9 +289,9 @@ def _depth(x: str) -> str:
     return str(int(x))
 
 
-def parse_depths(raw: str) -> tuple[str, ...]:
-    accepted = f"integers from 1 to {DEPTH_MAX} or {DEPTH_AUTO!r}, comma-separated"
-    return tuple(dict.fromkeys(parse_list("--depth", raw, _depth, accepted)))
+parse_depths = list_of(
+    "--depth", _depth, f"integers from 1 to {DEPTH_MAX} or {DEPTH_AUTO!r}, comma-separated"
+)
 
 
 def _phase(x: str) -> tuple[float, int]:

@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 import time
 
 from hicache_async_ack.env import ENABLE_VAR, ENTRY_POINT_NAME, OFFLOAD_SYNC_VAR, PLUGINS_VAR
-from hicache_async_ack.tools import Job, run_ranks
+from hicache_async_ack_lab.bench.side_bench import Passes, add_option, arm_results, pass_config
 from hicache_async_ack_lab.cli_support import ToolError
-from hicache_async_ack_lab.fresh import preload
 
 ARMS = ("blocking", "pipelined", "bound")
-BENCH_RANK_MODULE = "hicache_async_ack_lab.bench.rank_loop"  # preloaded as the ack bench does
 RANK_TARGET = "hicache_async_ack_lab.bench.offload:offload_rank"
 
 
@@ -58,17 +55,9 @@ def offload_rank(ctx, cfg: dict) -> dict:
         torch.distributed.all_reduce = slow
     om = build_manager(dist.group.WORLD, world)
     rng = random.Random(cfg["seed"])  # the same traffic on every rank
-    bcast = torch.zeros(4, dtype=torch.int64)
-    total = cfg["warmup"] + cfg["steps"]
     check_ms, popped = [], 0
-    dist.barrier()
-    t_window = time.perf_counter()
-    for step in range(total):
-        measured = step >= cfg["warmup"]
-        t0 = time.perf_counter()
-        if step == cfg["warmup"]:
-            t_window = t0
-        dist.broadcast(bcast, src=0)
+    passes = Passes(ctx, cfg)
+    for _, measured in passes:
         c0 = time.perf_counter()
         om.manager.check_offload_progress()
         if measured:
@@ -78,11 +67,6 @@ def offload_rank(ctx, cfg: dict) -> dict:
             om.add_offload()
         for _ in range(rng.randint(0, cfg["offloads"])):
             om.add_backup()
-        left = t0 + cfg["step_ms"] / 1000.0 - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
-        ctx.report(step + 1)
-    window_s = time.perf_counter() - t_window
     torch.distributed.all_reduce = real
     dist.barrier()
     from hicache_async_ack.sglang_plugin import state_of
@@ -90,7 +74,7 @@ def offload_rank(ctx, cfg: dict) -> dict:
     state = state_of(om.manager, "decode_offload")
     return {
         "check_ms": check_ms,
-        "window_s": window_s,
+        "window_s": passes.window_s,
         "steps": cfg["steps"],
         "popped": popped,
         "pipelined": bool(state and state.agreed and state.enabled and state.static.pipelined),
@@ -102,30 +86,10 @@ def run(args) -> int:
     import numpy as np
 
     tp = args.tp
-    latency = args.inject_latency_ms[0][0] if args.inject_latency_ms else 0.0
-    cfg = {
-        "offloads": args.decode_offload,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "step_ms": args.step_ms,
-        "latency_ms": latency,
-        "seed": args.seed,
-    }
-    preload(args.quiet, BENCH_RANK_MODULE)
+    cfg = pass_config(args) | {"offloads": args.decode_offload, "seed": args.seed}
+    latency = cfg["latency_ms"]
     rows = {}
-    for arm in ARMS:
-        job = Job(
-            target=RANK_TARGET,
-            world_size=tp,
-            payload=dict(cfg, arm=arm),
-            timeout_s=120.0 + (args.steps + args.warmup) * (args.step_ms + latency + 50) / 1e3,
-            label=f"decode offload {arm} arm",
-            group_timeout_s=60.0,
-        )
-        t0 = time.monotonic()
-        results = [r for r in run_ranks(job) if r is not None]
-        if not args.quiet:
-            print(f"[{arm}] {tp} ranks in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    for arm, results in arm_results(args, ARMS, RANK_TARGET, cfg, tp, latency, "decode offload"):
         if any(r["violations"] for r in results):
             raise ToolError(f"{arm} arm: {results[0]['violations'][:5]}")
         if arm == "pipelined" and not results[0]["pipelined"]:
@@ -147,11 +111,5 @@ def run(args) -> int:
 
 
 def add_arguments(p) -> None:
-    p.add_argument(
-        "--decode-offload",
-        type=int,
-        default=0,
-        metavar="N",
-        help="instead of the ack arms: PD decode offload progress with N offloads "
-        "per step; arms " + ", ".join(ARMS),
-    )
+    what = "PD decode offload progress with N offloads per step"
+    add_option(p, "--decode-offload", what, ARMS)

@@ -21,18 +21,15 @@ stops is replaced by a new one), all timed as the pass's cost; then the forward
 from __future__ import annotations
 
 import os
-import sys
 import time
 from types import SimpleNamespace
 from typing import Optional
 
 from hicache_async_ack.env import ENABLE_VAR, ENTRY_POINT_NAME, PLUGINS_VAR, PREFETCH_VOTES_VAR
-from hicache_async_ack.tools import Job, run_ranks
+from hicache_async_ack_lab.bench.side_bench import Passes, add_option, arm_results, pass_config
 from hicache_async_ack_lab.cli_support import ToolError
-from hicache_async_ack_lab.fresh import preload
 
 ARMS = ("blocking", "acks_only", "pipelined", "bound")
-BENCH_RANK_MODULE = "hicache_async_ack_lab.bench.rank_loop"  # preloaded as the ack bench does
 RANK_TARGET = "hicache_async_ack_lab.bench.prefetch:prefetch_rank"
 
 
@@ -50,7 +47,6 @@ def _load(arm: str) -> None:
 
 def prefetch_rank(ctx, cfg: dict) -> dict:
     """Rank target: one arm's pass loop."""
-    import torch
     import torch.distributed as dist
 
     from hicache_async_ack.sglang_plugin import init_cache
@@ -96,19 +92,11 @@ def prefetch_rank(ctx, cfg: dict) -> dict:
             cache.ongoing_prefetch[h].operation.bench_deadline = p + cfg["life"]
             n_id += 1
 
-    bcast = torch.zeros(4, dtype=torch.int64)
-    total = cfg["warmup"] + cfg["steps"]
-    pass_ms, step_ms, blocking, issued, waiting = [], [], [], [], []
+    pass_ms, blocking, issued, waiting = [], [], [], []
     refill(0)
-    dist.barrier()
-    t_window = time.perf_counter()
-    for p in range(total):
-        measured = p >= cfg["warmup"]
+    passes = Passes(ctx, cfg)
+    for p, measured in passes:
         clock.now = p
-        t0 = time.perf_counter()
-        if p == cfg["warmup"]:
-            t_window = t0
-        dist.broadcast(bcast, src=0)
         c0 = time.perf_counter()
         calls, issues = blocking_calls[0], async_calls[0]
         cache.check_hicache_events()
@@ -122,26 +110,19 @@ def prefetch_rank(ctx, cfg: dict) -> dict:
             issued.append(async_calls[0] - issues)
             waiting.append(len(handles))
         refill(p + 1)
-        left = t0 + cfg["step_ms"] / 1000.0 - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
-        if measured:
-            step_ms.append((time.perf_counter() - t0) * 1000.0)
-        ctx.report(p + 1)
-    window_s = time.perf_counter() - t_window
     dist.barrier()
     from hicache_async_ack.sglang_plugin import state_of
 
     state = state_of(cache, "prefetch_votes")
     return {
         "pass_ms": pass_ms,
-        "step_ms": step_ms,
+        "step_ms": passes.step_ms,
         "blocking_per_pass": blocking,
         "async_per_pass": issued,
         "waiting": waiting,
         "pipelined": bool(state and state.active),
         "stopped": len(ps.ended),
-        "window_s": window_s,
+        "window_s": passes.window_s,
         "steps": cfg["steps"],
     }
 
@@ -158,31 +139,10 @@ def _mean(values) -> float:
 
 def run(args) -> int:
     tp = getattr(args, "tp", 4)
-    latency = args.inject_latency_ms[0][0] if args.inject_latency_ms else 0.0
-    cfg = {
-        "prefetch": args.prefetch,
-        "life": args.prefetch_life,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "step_ms": args.step_ms,
-        "latency_ms": latency,
-    }
-
-    preload(args.quiet, BENCH_RANK_MODULE)
+    cfg = pass_config(args) | {"prefetch": args.prefetch, "life": args.prefetch_life}
+    latency = cfg["latency_ms"]
     rows: dict[str, dict] = {}
-    for arm in ARMS:
-        job = Job(
-            target=RANK_TARGET,
-            world_size=tp,
-            payload=dict(cfg, arm=arm),
-            timeout_s=120.0 + (args.steps + args.warmup) * (args.step_ms + 20 * latency + 50) / 1e3,
-            label=f"prefetch {arm} arm",
-            group_timeout_s=60.0,
-        )
-        t0 = time.monotonic()
-        results = [r for r in run_ranks(job) if r is not None]
-        if not args.quiet:
-            print(f"[{arm}] {tp} ranks in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    for arm, results in arm_results(args, ARMS, RANK_TARGET, cfg, tp, 20 * latency, "prefetch"):
         r0 = results[0]
         rows[arm] = {
             "pass_p50": _q(r0["pass_ms"], 0.5),
@@ -222,14 +182,8 @@ def run(args) -> int:
 
 
 def add_arguments(p) -> None:
-    p.add_argument(
-        "--prefetch",
-        type=int,
-        default=0,
-        metavar="N",
-        help="instead of the ack arms: N requests waiting on storage prefetches per "
-        "pass, timeout policy; arms " + ", ".join(ARMS),
-    )
+    what = "N requests waiting on storage prefetches per pass, timeout policy"
+    add_option(p, "--prefetch", what, ARMS)
     p.add_argument(
         "--prefetch-life",
         type=int,

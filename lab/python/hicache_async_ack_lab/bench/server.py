@@ -45,7 +45,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from hicache_async_ack.tools import int_in
 from hicache_async_ack_lab.bench import multiturn, pd, shared_prompt, storage
 from hicache_async_ack_lab.bench.arms import (
     ARMS,
@@ -59,7 +58,7 @@ from hicache_async_ack_lab.bench.arms import (
     rounds_of,
     server_args,
 )
-from hicache_async_ack_lab.bench.driver import parse_list, save, versions
+from hicache_async_ack_lab.bench.driver import add_int, choice_list, list_of, save, versions
 from hicache_async_ack_lab.bench.server_report import draw_png, print_report, ratios
 from hicache_async_ack_lab.cli_support import ToolError
 
@@ -72,6 +71,8 @@ FIGURES = (
 DEFAULT_LATENCIES_MS = (0.0, 3.2)
 BENCH_TIMEOUT_S = 900.0  # one bench_serving run; a stuck server fails the arm
 START_ATTEMPTS, START_RETRY_S = 3, 30.0
+# The config's keys bench_serving takes as --gsp-<key>, in the order they are passed.
+GSP_SIZES = ("num_groups", "prompts_per_group", "system_prompt_len", "question_len", "output_len")
 
 
 def gsp_args(cfg: dict, port: int, model: Path, out: Path, seed: int) -> list[str]:
@@ -80,26 +81,15 @@ def gsp_args(cfg: dict, port: int, model: Path, out: Path, seed: int) -> list[st
         *multiturn.serving_args("sglang", port, model),
         "--dataset-name",
         "generated-shared-prefix",
-        "--gsp-num-groups",
-        str(cfg["num_groups"]),
-        "--gsp-prompts-per-group",
-        str(cfg["prompts_per_group"]),
-        "--gsp-system-prompt-len",
-        str(cfg["system_prompt_len"]),
-        "--gsp-question-len",
-        str(cfg["question_len"]),
-        "--gsp-output-len",
-        str(cfg["output_len"]),
-        "--request-rate",
-        str(cfg["request_rate"]),
-        "--cache-report",
-        "--flush-cache",
-        "--disable-tqdm",
-        "--seed",
-        str(seed),
-        "--output-file",
-        str(out),
     ]
+    for key in GSP_SIZES:  # --gsp-num-groups N, ...
+        args += [f"--gsp-{key.replace('_', '-')}", str(cfg[key])]
+    args += [
+        "--request-rate", str(cfg["request_rate"]),
+        "--cache-report", "--flush-cache", "--disable-tqdm",
+        "--seed", str(seed),
+        "--output-file", str(out),
+    ]  # fmt: skip
     if cfg["max_concurrency"]:
         args += ["--max-concurrency", str(cfg["max_concurrency"])]
     return args
@@ -285,37 +275,18 @@ def run(args) -> int:
     return 0
 
 
-def _latencies(raw: str) -> tuple[float, ...]:
-    def item(x: str) -> float:
-        v = float(x)
-        if not (v >= 0 and v != float("inf")):
-            raise ValueError(f"{x!r} is not a latency")
-        return v
-
-    values = parse_list("--latency-ms", raw, item, "numbers >= 0 (ms), comma-separated")
-    return tuple(dict.fromkeys(values))
+def _latency(x: str) -> float:
+    v = float(x)
+    if not (v >= 0 and v != float("inf")):
+        raise ValueError(f"{x!r} is not a latency")
+    return v
 
 
-def _arms(raw: str) -> tuple[str, ...]:
-    known = (*ARMS, shared_prompt.READ_ONCE)
-
-    def item(x: str) -> str:
-        if x.lower() not in known:
-            raise ValueError(f"{x!r} is not one of them")
-        return x.lower()
-
-    accepted = f"a comma-separated list of {', '.join(known)}"
-    return tuple(dict.fromkeys(parse_list("--arms", raw, item, accepted)))
-
-
-def _lanes(raw: str) -> tuple[int, ...]:
-    def item(x: str) -> int:
-        v = int(x)
-        if v < 1:
-            raise ValueError(f"{x!r} is below 1")
-        return v
-
-    return tuple(dict.fromkeys(parse_list("--lanes", raw, item, "integers >= 1, e.g. 4,8,16")))
+def _lane_count(x: str) -> int:
+    v = int(x)
+    if v < 1:
+        raise ValueError(f"{x!r} is below 1")
+    return v
 
 
 SUMMARY = "the seed's arms (l1, stock, plugin, bound, local) on SGLang's real server (cpu-server)"
@@ -328,34 +299,27 @@ def add_parser(sub) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--tp", type=int_in("--tp", 1, 8), default=2, help="TP ranks (default 2)")
+    add_int(p, "--tp", 2, hi=8, help="TP ranks (default 2)")
     p.add_argument(
         "--arms",
-        type=_arms,
+        type=choice_list("--arms", (*ARMS, shared_prompt.READ_ONCE)),
         default=DEFAULT_ARMS,
         help=f"comma-separated, of {', '.join(ARMS)}, {shared_prompt.READ_ONCE} (default "
         f"stock,plugin; {','.join(shared_prompt.ARMS)} for --workload {shared_prompt.WORKLOAD})",
     )
     p.add_argument(
         "--latency-ms",
-        type=_latencies,
+        type=list_of("--latency-ms", _latency, "numbers >= 0 (ms), comma-separated"),
         default=DEFAULT_LATENCIES_MS,
         help="injected latency per HiCache all_reduce inside the L2 servers "
         f"(default 0,3.2: the seed's B200 host; 0 for --workload {shared_prompt.WORKLOAD})",
     )
-    p.add_argument(
-        "--rounds",
-        type=int_in("--rounds", 1),
-        default=3,
-        help="rounds; every arm once per round, order reversed each round; "
-        "an interval needs 2, a useful one 5+ (default 3)",
+    rounds_help = (
+        "rounds; every arm once per round, order reversed each round; "
+        "an interval needs 2, a useful one 5+ (default 3)"
     )
-    p.add_argument(
-        "--runs",
-        type=int_in("--runs", 1),
-        default=1,
-        help="bench_serving runs per arm per round, averaged (default 1)",
-    )
+    add_int(p, "--rounds", 3, help=rounds_help)
+    add_int(p, "--runs", 1, help="bench_serving runs per arm per round, averaged (default 1)")
     p.add_argument(
         "--workload",
         choices=(*WORKLOADS, shared_prompt.WORKLOAD),
@@ -367,32 +331,28 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "L3 by many requests, L3 reads counted by mooncake_master",
     )
     g = p.add_argument_group("gsp workload")
-    g.add_argument("--num-groups", type=int_in("--num-groups", 1), default=8)
-    g.add_argument("--prompts-per-group", type=int_in("--prompts-per-group", 1), default=8)
-    g.add_argument("--system-prompt-len", type=int_in("--system-prompt-len", 1), default=128)
-    g.add_argument("--question-len", type=int_in("--question-len", 1), default=32)
+    add_int(g, "--num-groups", 8)
+    add_int(g, "--prompts-per-group", 8)
+    add_int(g, "--system-prompt-len", 128)
+    add_int(g, "--question-len", 32)
     g.add_argument("--request-rate", default="inf", help="bench_serving's (default inf)")
-    g.add_argument("--max-concurrency", type=int_in("--max-concurrency", 1), default=None)
+    add_int(g, "--max-concurrency", None)
     m = p.add_argument_group("multiturn workload")
     m.add_argument(
         "--lanes",
-        type=_lanes,
+        type=list_of("--lanes", _lane_count, "integers >= 1, e.g. 4,8,16"),
         default=(8,),
         help="concurrent conversations; a list (4,8,16,32) is a sweep (default 8)",
     )
-    m.add_argument("--turns", type=int_in("--turns", 1), default=6, help="default 6")
-    m.add_argument("--system-words", type=int_in("--system-words", 1), default=60)
-    m.add_argument("--question-words", type=int_in("--question-words", 1), default=15)
-    p.add_argument(
-        "--output-len",
-        type=int_in("--output-len", 1),
-        default=16,
-        help="tokens per reply (default 16)",
-    )
-    p.add_argument(
+    add_int(m, "--turns", 6, help="default 6")
+    add_int(m, "--system-words", 60)
+    add_int(m, "--question-words", 15)
+    add_int(p, "--output-len", 16, help="tokens per reply (default 16)")
+    add_int(
+        p,
         "--max-total-tokens",
-        type=int_in("--max-total-tokens", 64),
-        default=None,
+        None,
+        lo=64,
         help="device KV pool (default 512 for gsp and --storage: small, so prefixes go "
         "to host; 2048 for multiturn, whose longest history, ~950 tokens at the "
         "defaults, must fit one request's context)",

@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Optional
 
 from hicache_async_ack.env import ENABLE_VAR, READ_ONCE_VAR
-from hicache_async_ack.tools import int_in, nonneg_float
-from hicache_async_ack_lab.bench.driver import parse_list
+from hicache_async_ack.tools import nonneg_float
+from hicache_async_ack_lab.bench.driver import add_int, choice_list
 from hicache_async_ack_lab.bench.storage import (
     MOONCAKE_ARGS,
     WORDS,
@@ -217,17 +217,15 @@ def add_arguments(p) -> None:
         f"{WORKLOAD} workload (with --storage mooncake; arms {', '.join(ARMS)} and "
         "--latency-ms 0 unless given)"
     )
-    g.add_argument("--arrivals", type=_patterns, default=PATTERNS,
+    g.add_argument("--arrivals", type=choice_list("--arrivals", PATTERNS), default=PATTERNS,
                    help="arrival patterns, each measured in every server (default "
                    "poisson,dense,burst)")  # fmt: skip
-    g.add_argument("--shared-requests", type=int_in("--shared-requests", 1, 256), default=32,
-                   help="requests per measured run, all with the same system prompt "
-                   "(default 32)")  # fmt: skip
-    g.add_argument("--shared-prompt-tokens", type=int_in("--shared-prompt-tokens", 16, 3800),
-                   default=1200, help="the system prompt's length in tokens of the bundled "
-                   "tokenizer (default 1200)")  # fmt: skip
-    g.add_argument("--shared-question-words", type=int_in("--shared-question-words", 1, 200),
-                   default=12, help="words per request's own question (default 12)")  # fmt: skip
+    what = "requests per measured run, all with the same system prompt (default 32)"
+    add_int(g, "--shared-requests", 32, hi=256, help=what)
+    what = "the system prompt's length in tokens of the bundled tokenizer (default 1200)"
+    add_int(g, "--shared-prompt-tokens", 1200, lo=16, hi=3800, help=what)
+    what = "words per request's own question (default 12)"
+    add_int(g, "--shared-question-words", 12, hi=200, help=what)
     g.add_argument(
         "--poisson-gap-ms",
         type=nonneg_float("--poisson-gap-ms", "milliseconds"),
@@ -240,16 +238,6 @@ def add_arguments(p) -> None:
         default=15.0,
         help="dense: the gap between requests (default 15)",
     )
-
-
-def _patterns(raw: str) -> tuple[str, ...]:
-    def item(x: str) -> str:
-        if x.lower() not in PATTERNS:
-            raise ValueError(f"{x!r} is not one of them")
-        return x.lower()
-
-    accepted = f"a comma-separated list of {', '.join(PATTERNS)}"
-    return tuple(dict.fromkeys(parse_list("--arrivals", raw, item, accepted)))
 
 
 def config(args) -> dict:

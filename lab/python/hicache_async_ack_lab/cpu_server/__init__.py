@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, TypeVar
 
 from hicache_async_ack_lab.cpu_server.model import ensure_model
 from hicache_async_ack_lab.cpu_server.settings import (
@@ -160,7 +160,36 @@ class PortInUse(ServerFailed):
     """The HTTP port was taken before the server bound it (start picks another)."""
 
 
-class Server:
+_Self = TypeVar("_Self", bound="Managed")
+
+
+class Managed:
+    """``with x:`` starts ``x`` and always stops it again (servers, masters, PD pairs)."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _Self) -> _Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def log_tail(path: Path, tail: Optional[int] = None) -> str:
+    """The last ``tail`` lines of a log (all without ``tail``), "" before it exists."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return ""
+    return "\n".join(lines[-tail:] if tail else lines)
+
+
+class Server(Managed):
     """One ``cpu-server`` in its own process group, torn down on exit.
 
     ``Server(["--tp", "2", "--enable-hierarchical-cache"], env={...})`` as a
@@ -195,13 +224,6 @@ class Server:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> "Server":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def start(self) -> None:
         # A free port can be taken between picking it and the server binding it (by one
@@ -268,11 +290,7 @@ class Server:
             stop_group(self.proc, grace_s)
 
     def log(self, tail: Optional[int] = None) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            return ""
-        return "\n".join(lines[-tail:] if tail else lines)
+        return log_tail(self.log_path, tail)
 
     # -- HTTP --------------------------------------------------------------------
 

@@ -39,9 +39,10 @@ import functools
 import logging
 import os
 from datetime import timedelta
-from typing import Callable, Mapping, MutableMapping, Optional
+from typing import Mapping, MutableMapping, Optional
 
 from hicache_async_ack.env import ENABLE_VAR, parse_bool, plugin_whitelisted
+from hicache_async_ack_lab.cpu_server.patching import Patch, add_patches, replace
 from hicache_async_ack_lab.cpu_server.settings import (
     CPU_REDUCE_LATENCY_FILE_VAR,
     CPU_REDUCE_LATENCY_VAR,
@@ -74,10 +75,15 @@ _DEDICATED: dict = {}  # "group": the process group, once SGLang's groups exist
 # bench-server arm -> the start-up mark its device logs (the arm really ran it)
 MARKS = {"bound": BOUND_MARK, "local": LOCAL_MARK, "dedicated": DEDICATED_MARK}
 
-STANDIN = (
-    "zero-sync bound (only with --cpu-bound): every HiCache collective answers with the "
-    "rank's own value"
-)
+STANDINS = {
+    "zero-sync bound": "zero-sync bound (only with --cpu-bound): every HiCache collective "
+    "answers with the rank's own value",
+    "dedicated reduce group": "dedicated reduce group (only with "
+    "HICACHE_ASYNC_ACK_CPU_DEDICATED_GROUP=1): the plugin's async reduces on a gloo group "
+    "of their own",
+    "local plugin reduce": "local plugin reduce (only with --cpu-local-reduce): the "
+    "plugin's async reduces answer with the rank's own value",
+}
 
 
 def requested(environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -150,20 +156,15 @@ def _own_value_groups(self, tensor, op, groups) -> None:
 def _patch_unified_radix_cache(module) -> None:
     if not check():
         return
-    cls = module.UnifiedRadixCache
-    # wraps(): the plugin's guard fingerprints these (unwrapped); keep what it sees.
-    cls._all_reduce_attn_groups = functools.wraps(cls._all_reduce_attn_groups)(
-        _own_value_attn_groups
-    )
-    cls._all_reduce = functools.wraps(cls._all_reduce)(_own_value)
+    replace(module.UnifiedRadixCache, "_all_reduce_attn_groups", _own_value_attn_groups)
+    replace(module.UnifiedRadixCache, "_all_reduce", _own_value)
     logger.warning("cpu-server: %s, HiCache collectives answer locally", BOUND_MARK)
 
 
 def _patch_cache_controller(module) -> None:
     if not check():
         return
-    cls = module.HiCacheController
-    cls._all_reduce = functools.wraps(cls._all_reduce)(_own_value_groups)
+    replace(module.HiCacheController, "_all_reduce", _own_value_groups)
 
 
 def _own_value_offload_progress(self) -> None:
@@ -180,9 +181,7 @@ def _patch_offload_manager(module) -> None:
     if not check():
         return
     cls = module.DecodeKVCacheOffloadManager
-    cls.check_offload_progress = functools.wraps(cls.check_offload_progress)(
-        _own_value_offload_progress
-    )
+    replace(cls, "check_offload_progress", _own_value_offload_progress)
     logger.warning("cpu-server: %s, the decode offload progress answers locally", BOUND_MARK)
 
 
@@ -231,7 +230,7 @@ def _patch_plugin_reduces(module) -> None:
     logger.warning("cpu-server: %s, the plugin's reduces answer locally", LOCAL_MARK)
 
 
-PATCHES: dict[str, Callable] = {
+PATCHES: dict[str, Patch] = {
     "sglang.srt.mem_cache.unified_radix_cache": _patch_unified_radix_cache,
     "sglang.srt.managers.cache_controller": _patch_cache_controller,
     "hicache_async_ack.sglang_plugin": _patch_plugin_reduces,
@@ -240,27 +239,7 @@ PATCHES: dict[str, Callable] = {
 }
 
 
-def _after(first: Optional[Callable], then: Callable) -> Callable:
-    if first is None:
-        return then
-
-    def both(module) -> None:
-        first(module)
-        then(module)
-
-    return both
-
-
-def register(patches: MutableMapping[str, Callable], standins: MutableMapping[str, str]) -> None:
+def register(patches: MutableMapping[str, Patch], standins: MutableMapping[str, str]) -> None:
     """Add the bound's patches after the stand-ins' own for the same modules."""
-    for name, patch in PATCHES.items():
-        patches[name] = _after(patches.get(name), patch)
-    standins["zero-sync bound"] = STANDIN
-    standins["dedicated reduce group"] = (
-        "dedicated reduce group (only with HICACHE_ASYNC_ACK_CPU_DEDICATED_GROUP=1): the "
-        "plugin's async reduces on a gloo group of their own"
-    )
-    standins["local plugin reduce"] = (
-        "local plugin reduce (only with --cpu-local-reduce): the plugin's async reduces "
-        "answer with the rank's own value"
-    )
+    add_patches(patches, PATCHES.items())
+    standins.update(STANDINS)

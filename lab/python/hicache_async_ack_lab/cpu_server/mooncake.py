@@ -37,7 +37,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional, Sequence, TypeVar
 
-from hicache_async_ack_lab.cpu_server import Server, free_port, stop_group
+from hicache_async_ack_lab.cpu_server import Managed, Server, free_port, log_tail, stop_group
 from hicache_async_ack_lab.cpu_server.netns import NetNamespace
 
 T = TypeVar("T")
@@ -68,7 +68,7 @@ class MasterFailed(RuntimeError):
     """mooncake_master exited or its metrics endpoint did not answer in time."""
 
 
-class Mooncake:
+class Mooncake(Managed):
     """``mooncake_master`` in a private network namespace, torn down on exit.
 
     ``with Mooncake() as mc:`` then ``MooncakeServer(mc, args)``; ``mc.env()`` is
@@ -112,13 +112,6 @@ class Mooncake:
         return last
 
     # lifecycle
-
-    def __enter__(self) -> "Mooncake":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def start(self) -> None:
         try:
@@ -236,11 +229,7 @@ class Mooncake:
         return self.ns.call(get).decode(errors="replace")
 
     def log(self, tail: Optional[int] = None) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except FileNotFoundError:
-            return ""
-        return "\n".join(lines[-tail:] if tail else lines)
+        return log_tail(self.log_path, tail)
 
 
 class MooncakeServer(Server):

@@ -12,12 +12,14 @@ create the store.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, MutableMapping, Optional
+
+from hicache_async_ack_lab.cpu_server import patching
+from hicache_async_ack_lab.cpu_server.patching import Patch, run_first
 
 # HICACHE_ASYNC_ACK_CPU_COUNT_DIR (storage bench and tests only): a directory where
 # each scheduler writes counts.<rank>.json: its scheduling passes, the blocking cache
@@ -107,20 +109,11 @@ def _broken(op: Callable, mode: str) -> Callable:
 def _require_private_network(module) -> None:
     # At the store's construction, not the module's import: SGLang imports the
     # module for any HiCache server (its L3 layout report).
-    real_init = module.MooncakeStore.__init__
-
-    def __init__(self, *args, **kwargs):
-        from hicache_async_ack_lab.cpu_server.netns import only_loopback
-
-        if not only_loopback():
-            raise RuntimeError(
-                "cpu-server: Mooncake's transfer engine listens on every interface; run "
-                "the server inside the master's private network namespace (see "
-                "`hicache-async-ack-lab mooncake-master --help`)"
-            )
-        real_init(self, *args, **kwargs)
-
-    module.MooncakeStore.__init__ = __init__
+    where = (
+        "the server inside the master's private network namespace (see "
+        "`hicache-async-ack-lab mooncake-master --help`)"
+    )
+    run_first(module.MooncakeStore, "__init__", patching.require_loopback(where))
 
 
 class _Counts:
@@ -194,14 +187,9 @@ class _Counts:
             self.write()
 
     def write(self) -> None:
-        import torch.distributed as dist
-
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        path = self.root / f"counts.{rank}.json"
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        rank = patching.dist_rank()
         with self._lock:
-            tmp.write_text(json.dumps(self.values))
-            tmp.replace(path)
+            patching.write_rank_file(self.root, "counts", rank, self.values)
 
 
 _COUNTS: list[_Counts] = []
@@ -218,54 +206,41 @@ def _counts() -> Optional[_Counts]:
 
 def _count_collectives(module) -> None:
     counts = _counts()
-    if counts is None:
-        return
-    cls = module.UnifiedRadixCache
-    real = cls._all_reduce_attn_groups
-
-    @functools.wraps(real)  # the plugin's guard fingerprints the unwrapped method
-    def counted(self, *args, **kwargs):
-        counts.collective_seen()
-        return real(self, *args, **kwargs)
-
-    cls._all_reduce_attn_groups = counted
+    if counts is not None:
+        run_first(
+            module.UnifiedRadixCache,
+            "_all_reduce_attn_groups",
+            lambda self, *args, **kwargs: counts.collective_seen(),
+        )
 
 
 def _count_l3_queries(module) -> None:
     counts = _counts()
     if counts is None:
         return
-    cls = module.HybridCacheController
-    real = cls._storage_hit_query
 
-    @functools.wraps(real)
-    def counted(self, operation, *args, **kwargs):
+    def query(self, operation, *args, **kwargs) -> None:
         counts.l3_query_seen(assumed=bool(getattr(operation, "assume_stored", False)))
-        return real(self, operation, *args, **kwargs)
 
-    cls._storage_hit_query = counted
+    run_first(module.HybridCacheController, "_storage_hit_query", query)
 
 
 def _count_l3_loads(module) -> None:
     counts = _counts()
     if counts is None:
         return
-    cls = module.UnifiedRadixCache
-    real = cls._handle_prefetch_result
 
-    @functools.wraps(real)  # a fingerprinted target of the plugin's: wrapped, unchanged
-    def counted(self, operation, *args, **kwargs):
+    def result(self, operation, *args, **kwargs) -> None:
         counts.l3_loaded(int(getattr(operation, "completed_tokens", 0) or 0))
-        return real(self, operation, *args, **kwargs)
 
-    cls._handle_prefetch_result = counted
+    run_first(module.UnifiedRadixCache, "_handle_prefetch_result", result)
 
 
 def _count_plugin_reduces(module) -> None:
-    from hicache_async_ack_lab.plugin_env import wrap_async_min
-
     """The plugin's async all_reduces (the environment's async MIN), counted
     as they are issued."""
+    from hicache_async_ack_lab.plugin_env import wrap_async_min
+
     counts = _counts()
     if counts is None:
         return
@@ -289,28 +264,21 @@ def _count_passes(module) -> None:
     counts = _counts()
     if counts is None:
         return
-    cls = module.Scheduler
-    real = cls.get_next_batch_to_run
 
-    @functools.wraps(real)
-    def counted(self, *args, **kwargs):
+    def scheduling_pass(self, *args, **kwargs) -> None:
         cache = getattr(self, "tree_cache", None)
         ongoing = getattr(cache, "ongoing_prefetch", None)
         snapshot = getattr(cache, "prefetch_outcome_stats_snapshot", None)
         if snapshot is not None:  # before pass_seen, which may write the counts
             counts.outcomes_seen(snapshot())
         counts.pass_seen(len(ongoing) if ongoing else 0)
-        return real(self, *args, **kwargs)
 
-    cls.get_next_batch_to_run = counted
+    run_first(module.Scheduler, "get_next_batch_to_run", scheduling_pass)
 
 
 def read_counts(root: Path) -> dict[str, dict[str, int]]:
     """{rank: counts} as the schedulers last wrote them under ``root``."""
-    out = {}
-    for path in sorted(Path(root).glob("counts.*.json")):
-        out[path.name.split(".")[1]] = json.loads(path.read_text())
-    return out
+    return patching.read_rank_files(root, "counts")
 
 
 def _lower_host_memory_reserve(module) -> None:
@@ -319,26 +287,19 @@ def _lower_host_memory_reserve(module) -> None:
     )
 
 
-def _then(first: Callable, second: Callable) -> Callable:
-    def both(module) -> None:
-        first(module)
-        second(module)
+PATCHES: tuple[tuple[str, Patch], ...] = (
+    ("sglang.srt.mem_cache.pool_host.mha", _bind_direct_ops),
+    ("sglang.srt.mem_cache.storage.mooncake_store.mooncake_store", _require_private_network),
+    ("sglang.srt.mem_cache.unified_radix_cache", _count_collectives),
+    ("sglang.srt.mem_cache.unified_radix_cache", _count_l3_loads),
+    ("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller", _count_l3_queries),
+    ("sglang.srt.managers.scheduler", _count_passes),
+    ("hicache_async_ack.sglang_plugin", _count_plugin_reduces),
+    ("sglang.srt.mem_cache.pool_host.base", _lower_host_memory_reserve),
+)
 
-    return both
 
-
-def register(patches: dict, standins: dict) -> None:
+def register(patches: MutableMapping[str, Patch], standins: MutableMapping[str, str]) -> None:
     """Add these to cpu-server's post-import patches and its start-up description."""
-    mha = "sglang.srt.mem_cache.pool_host.mha"
-    patches[mha] = _then(patches[mha], _bind_direct_ops) if mha in patches else _bind_direct_ops
-    patches["sglang.srt.mem_cache.storage.mooncake_store.mooncake_store"] = _require_private_network
-    for name, patch in (
-        ("sglang.srt.mem_cache.unified_radix_cache", _count_collectives),
-        ("sglang.srt.mem_cache.unified_radix_cache", _count_l3_loads),
-        ("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller", _count_l3_queries),
-        ("sglang.srt.managers.scheduler", _count_passes),
-        ("hicache_async_ack.sglang_plugin", _count_plugin_reduces),
-        ("sglang.srt.mem_cache.pool_host.base", _lower_host_memory_reserve),
-    ):
-        patches[name] = _then(patches[name], patch) if name in patches else patch
+    patching.add_patches(patches, PATCHES)
     standins.update(STANDINS)

@@ -31,7 +31,14 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from hicache_async_ack_lab.cpu_server import Server, ServerFailed, free_port, stop_group
+from hicache_async_ack_lab.cpu_server import (
+    Managed,
+    Server,
+    ServerFailed,
+    free_port,
+    log_tail,
+    stop_group,
+)
 from hicache_async_ack_lab.cpu_server.netns import NetNamespace
 
 STORE_DIR_VAR = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
@@ -65,7 +72,7 @@ class RouterFailed(ServerFailed):
     """The PD router exited or did not answer in time; the message ends with its log."""
 
 
-class PDPair:
+class PDPair(Managed):
     """A prefill and a decode cpu-server and the PD router, torn down as one.
 
     ``with PDPair(decode_env={...}) as pd:`` then ``pd.generate(text)`` (through the
@@ -129,13 +136,6 @@ class PDPair:
         self.startup_s: Optional[float] = None
 
     # -- lifecycle -------------------------------------------------------------------
-
-    def __enter__(self) -> "PDPair":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     @property
     def decode(self) -> NsServer:
@@ -252,7 +252,7 @@ class PDPair:
         while time.monotonic() < deadline:
             if self.router.poll() is not None:
                 raise RouterFailed(f"the PD router exited with {self.router.returncode}\n"
-                                   + _tail(self.router_log_path))  # fmt: skip
+                                   + log_tail(self.router_log_path, 40))  # fmt: skip
             try:
                 # /health answers before the router has checked its workers; /readiness
                 # only once a prefill and a decode are healthy (503 until then).
@@ -261,7 +261,7 @@ class PDPair:
             except (OSError, urllib.error.URLError):
                 time.sleep(0.5)
         raise RouterFailed(f"the PD router not ready in {ROUTER_START_TIMEOUT_S:.0f} s\n"
-                           + _tail(self.router_log_path))  # fmt: skip
+                           + log_tail(self.router_log_path, 40))  # fmt: skip
 
     @property
     def router_log_path(self) -> Path:
@@ -328,10 +328,3 @@ class PDPair:
         if self.ns is None:
             raise RuntimeError("the PD pair's namespace is gone")
         return self.ns
-
-
-def _tail(path: Path, n: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except FileNotFoundError:
-        return ""

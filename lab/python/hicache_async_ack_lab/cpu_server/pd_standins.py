@@ -37,11 +37,21 @@ enable-offload-kvcache``), read by these stand-ins only:
 from __future__ import annotations
 
 import functools
-import json
 import os
 import time
 from pathlib import Path
 from typing import Callable, MutableMapping, Optional
+
+from hicache_async_ack_lab.cpu_server.patching import (
+    Patch,
+    add_patches,
+    dist_rank,
+    read_rank_files,
+    require_loopback,
+    run_first,
+    sleep_first,
+    write_rank_file,
+)
 
 OFFLOAD_COUNT_DIR_VAR = "HICACHE_ASYNC_ACK_CPU_OFFLOAD_COUNT_DIR"
 PASS_TIMES_DIR_VAR = "HICACHE_ASYNC_ACK_CPU_PASS_TIMES_DIR"
@@ -99,22 +109,11 @@ def _patch_mooncake_conn(module) -> None:
 
 
 def _require_private_network(module) -> None:
-    cls = module.MooncakeTransferEngine
-    real = cls.initialize
-
-    @functools.wraps(real)
-    def initialize(self, *args, **kwargs):
-        from hicache_async_ack_lab.cpu_server.netns import only_loopback
-
-        if not only_loopback():
-            raise RuntimeError(
-                "cpu-server: Mooncake's transfer engine listens on every interface; run "
-                "the PD servers inside a private network namespace that has only lo "
-                "(`hicache-async-ack-lab cpu-server --pd` makes one)"
-            )
-        return real(self, *args, **kwargs)
-
-    cls.initialize = initialize
+    where = (
+        "the PD servers inside a private network namespace that has only lo "
+        "(`hicache-async-ack-lab cpu-server --pd` makes one)"
+    )
+    run_first(module.MooncakeTransferEngine, "initialize", require_loopback(where))
 
 
 def _patch_decode(module) -> None:
@@ -141,28 +140,6 @@ def _patch_decode(module) -> None:
 # --- the decode offload sync's devices ---------------------------------------------
 
 
-def write_rank_file(root: Path, stem: str, rank: int, values: dict) -> None:
-    """``<stem>.<rank>.json``, replaced at once: a reader never sees half of it."""
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{stem}.{rank}.json.{os.getpid()}"
-    tmp.write_text(json.dumps(values))
-    tmp.replace(root / f"{stem}.{rank}.json")
-
-
-def read_rank_files(root: Path, stem: str) -> dict[str, dict]:
-    """``{rank: values}`` from the ``<stem>.<rank>.json`` files in ``root``."""
-    return {
-        path.name.split(".")[1]: json.loads(path.read_text())
-        for path in sorted(Path(root).glob(f"{stem}.*.json"))
-    }
-
-
-def _dist_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 class _OffloadCounts:
     """One decode rank's pops, written at every pop that popped something."""
 
@@ -176,7 +153,7 @@ class _OffloadCounts:
             self.write()
 
     def write(self) -> None:
-        write_rank_file(self.root, "offload", _dist_rank(), self.values)
+        write_rank_file(self.root, "offload", dist_rank(), self.values)
 
 
 class PassTimes:
@@ -244,7 +221,7 @@ def pass_times() -> Optional[PassTimes]:
     if "times" not in PASS_TIMES:
         from hicache_async_ack_lab.cpu_server.settings import reduce_latency
 
-        PASS_TIMES["times"] = PassTimes(Path(root), reduce_latency(), _dist_rank)
+        PASS_TIMES["times"] = PassTimes(Path(root), reduce_latency(), dist_rank)
     return PASS_TIMES["times"]
 
 
@@ -256,19 +233,15 @@ def _time_offload_checks(module) -> None:
     times = pass_times()
     if times is None:
         return
-    cls = module.SchedulerDisaggregationDecodeMixin
-    real = cls.process_decode_queue
 
-    @functools.wraps(real)
-    def process_decode_queue(self, *args, **kwargs):
+    def decode_pass(self, *args, **kwargs) -> None:
         manager = getattr(self, "decode_offload_manager", None)
         if manager is not None and "check_offload_progress" not in vars(manager):
             manager.check_offload_progress = times.timed(manager.check_offload_progress)
         running = getattr(self, "running_batch", None)
         times.kind = "running" if running is not None and not running.is_empty() else "idle"
-        return real(self, *args, **kwargs)
 
-    cls.process_decode_queue = process_decode_queue
+    run_first(module.SchedulerDisaggregationDecodeMixin, "process_decode_queue", decode_pass)
 
 
 def read_pass_times(root: Path) -> dict[str, dict]:
@@ -286,19 +259,8 @@ def _patch_offload_manager(module) -> None:
 
     cls = module.DecodeKVCacheOffloadManager
     latency = reduce_latency()
-    if latency is not None:
-        real_check = cls.check_offload_progress
-
-        # wraps(): the plugin's guard fingerprints the method (unwrapped); with the
-        # plugin pipelining, this blocking path is not taken.
-        @functools.wraps(real_check)
-        def slow_check_offload_progress(self, *args, **kwargs):
-            seconds = latency()
-            if seconds:
-                time.sleep(seconds)
-            return real_check(self, *args, **kwargs)
-
-        cls.check_offload_progress = slow_check_offload_progress
+    if latency is not None:  # with the plugin pipelining, this blocking path is not taken
+        run_first(cls, "check_offload_progress", sleep_first(latency))
     times = pass_times()
     if times is not None:  # stock and the plugin pop through these two alike
         for name in ("_check_offload_progress", "_check_backup_progress"):
@@ -321,7 +283,7 @@ def _counting(real: Callable, counts: _OffloadCounts, key: str) -> Callable:
     return counted
 
 
-PATCHES: dict[str, Callable] = {
+PATCHES: dict[str, Patch] = {
     "sglang.srt.disaggregation.prefill": _patch_prefill,
     "sglang.srt.disaggregation.mooncake.conn": _patch_mooncake_conn,
     "sglang.srt.disaggregation.decode": _patch_decode,
@@ -332,16 +294,6 @@ PATCHES: dict[str, Callable] = {
 }
 
 
-def register(patches: MutableMapping[str, Callable], standins: MutableMapping[str, str]) -> None:
-    for name, patch in PATCHES.items():
-        first = patches.get(name)
-        patches[name] = patch if first is None else _both(first, patch)
+def register(patches: MutableMapping[str, Patch], standins: MutableMapping[str, str]) -> None:
+    add_patches(patches, PATCHES.items())
     standins.update(STANDINS)
-
-
-def _both(first: Callable, then: Callable) -> Callable:
-    def both(module) -> None:
-        first(module)
-        then(module)
-
-    return both

@@ -22,16 +22,15 @@ compare replies must say so.
 
 from __future__ import annotations
 
-import functools
 import importlib.abc
 import importlib.machinery
 import logging
 import os
 import sys
-import time
 from typing import Callable
 
 from hicache_async_ack_lab.cpu_server import bound, mooncake_standins, pd_standins
+from hicache_async_ack_lab.cpu_server.patching import dist_rank, run_first, sleep_first
 from hicache_async_ack_lab.cpu_server.settings import (
     CPU_BREAK_COPIES_VAR,
     CPU_SKEW_VAR,
@@ -197,10 +196,7 @@ class SkewedEvent:
 
 
 def _rank_polls(polls: tuple[int, ...]) -> int:
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    return polls[rank % len(polls)]
+    return polls[dist_rank() % len(polls)]
 
 
 def _patch_cache_controller(module) -> None:
@@ -223,21 +219,8 @@ def _patch_cache_controller(module) -> None:
 
 def _delay_stock_all_reduce(module) -> None:
     latency = reduce_latency()
-    if latency is None:
-        return
-    cls = module.UnifiedRadixCache
-    real = cls._all_reduce
-
-    # wraps(): the plugin's version guard fingerprints _all_reduce (unwrapped), and
-    # this measurement device must not change what it sees.
-    @functools.wraps(real)
-    def slow_all_reduce(self, *args, **kwargs):
-        seconds = latency()
-        if seconds:
-            time.sleep(seconds)
-        return real(self, *args, **kwargs)
-
-    cls._all_reduce = slow_all_reduce
+    if latency is not None:
+        run_first(module.UnifiedRadixCache, "_all_reduce", sleep_first(latency))
 
 
 def _delay_plugin_reduces(module) -> None:
