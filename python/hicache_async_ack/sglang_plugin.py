@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from .env import (
     ALLOW_UNTESTED_VAR,
@@ -35,8 +35,7 @@ from .guard import CACHE_CLASS, Judged, Verdict, check_installed
 from .kit.collectives import Collectives, TorchHandle
 from .kit.decision import Decision
 from .kit.environment import Environment, EventSink, environment, use_environment
-from .kit.feature import DECLARED, Feature, FeatureState
-from .kit.feature import state_of as feature_state_of
+from .kit.feature import Feature, FeatureState, state_of
 from .kit.hooks import hook, hooked_for, is_hooked, registrations
 from .kit.owner import OwnerState
 from .names import ACK_COUNTS, CACHE_SYNCS, LOGGER_NAME, SyncName
@@ -89,7 +88,8 @@ def register(env: Optional[Environment] = None) -> None:
     use_environment(replace(env, judged=judged))
     allowed: list[Feature[Any]] = []
     standing_down: dict[SyncName, str] = {}  # sync -> reason code
-    for feature in env.features or all_features():
+    features: Sequence[Feature[Any]] = env.features or all_features()
+    for feature in features:
         code = judged.stand_down(feature.sync.name)
         if verdict is not None:
             allows(verdict, feature, untested_ok)  # says why, in the log
@@ -163,17 +163,11 @@ def init_cache(cache: object, params: object = None) -> None:
     (``params.enable_metrics`` turns the metrics on)."""
     env = environment()
     judged = env.judged if env.judged is not None else Judged(judge_installed(env))
-    for feature in env.features or all_features():
+    features: Sequence[Feature[Any]] = env.features or all_features()
+    for feature in features:
         if feature.owner == CACHE_CLASS and judged.runs(feature.sync.name):
             init = next(h for h in feature.hooks if h.method == "init_hicache")
             init.fn(None, cache, None, params)
-
-
-def state_of(feature: Any, obj: Any) -> Any:
-    """``obj``'s state for ``feature`` (TRANSITION: also ``state_of(obj, "name")``)."""
-    if isinstance(obj, str):
-        return feature_state_of(DECLARED[obj], feature)
-    return feature_state_of(feature, obj)
 
 
 __all__ = ["ACK_FEATURE", "AckCountsState", "Collectives", "Decision", "Environment", "EventSink",

@@ -30,7 +30,6 @@ from .views import SyncMetrics
 
 if TYPE_CHECKING:
     from ..guard import Judged
-    from .feature import Feature
 
 # What the prefetch votes report to a sink (reach, verdict, stop, pin, unpin, section;
 # a start held and released; their own first exchange).
@@ -59,7 +58,7 @@ class Environment:
     metrics: Optional[MetricsFactory] = None
     events: Optional[EventSink] = None
     substitutes: Mapping[str, type] = field(default_factory=dict)
-    features: Sequence["Feature[Any]"] = ()
+    features: Sequence[Any] = ()  # kit.feature.Feature rows (that module builds on this one)
 
     def state_class(self, sync: str, default: type[S]) -> type[S]:
         """The class to build ``sync``'s state with (a substitute must extend the default)."""

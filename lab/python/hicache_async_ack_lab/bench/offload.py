@@ -69,9 +69,9 @@ def offload_rank(ctx, cfg: dict) -> dict:
             om.add_backup()
     torch.distributed.all_reduce = real
     dist.barrier()
-    from hicache_async_ack.sglang_plugin import state_of
+    from hicache_async_ack.sglang_plugin import OFFLOAD_FEATURE, state_of
 
-    state = state_of(om.manager, "decode_offload")
+    state = state_of(OFFLOAD_FEATURE, om.manager)
     return {
         "check_ms": check_ms,
         "window_s": passes.window_s,

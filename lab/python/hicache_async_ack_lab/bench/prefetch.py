@@ -49,7 +49,7 @@ def prefetch_rank(ctx, cfg: dict) -> dict:
     """Rank target: one arm's pass loop."""
     import torch.distributed as dist
 
-    from hicache_async_ack.sglang_plugin import init_cache
+    from hicache_async_ack.sglang_plugin import VOTES_FEATURE, init_cache, state_of
     from hicache_async_ack_lab.bench.workload import delayed_all_reduce, local_no_op
     from hicache_async_ack_lab.plugin_env import wrap_async_min
     from hicache_async_ack_lab.sim.cache import build_cache
@@ -111,9 +111,7 @@ def prefetch_rank(ctx, cfg: dict) -> dict:
             waiting.append(len(handles))
         refill(p + 1)
     dist.barrier()
-    from hicache_async_ack.sglang_plugin import state_of
-
-    state = state_of(cache, "prefetch_votes")
+    state = state_of(VOTES_FEATURE, cache)
     return {
         "pass_ms": pass_ms,
         "step_ms": passes.step_ms,

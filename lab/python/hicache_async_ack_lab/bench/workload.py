@@ -26,7 +26,7 @@ from datetime import timedelta
 from typing import Any, Callable, Optional
 
 from hicache_async_ack.env import DEPTH_VAR, ENABLE_VAR, ENTRY_POINT_NAME, PLUGINS_VAR
-from hicache_async_ack.sglang_plugin import Collectives, state_of
+from hicache_async_ack.sglang_plugin import ACK_FEATURE, Collectives, state_of
 from hicache_async_ack_lab.cli_support import ToolError
 from hicache_async_ack_lab.plugin_env import wrap_async_min
 from hicache_async_ack_lab.sim.cache import SimCache, build_cache
@@ -193,7 +193,7 @@ def describe_path(arm: Arm, world: int) -> str:
         return "stock check, collective replaced by a local no-op (measurement only)"
     if kind == "floor":
         return "the bound + one async MIN all_reduce per step (the plugin's primitive)"
-    state = state_of(arm.sim.cache, "ack_counts")
+    state = state_of(ACK_FEATURE, arm.sim.cache)
     decision = state.decide(arm.sim.cache) if state is not None else None
     if decision is not None and not decision.pipelined and world == 1:
         return f"plugin stands down: {decision.reason}"
