@@ -57,7 +57,10 @@ class SimEvent:
 
 
 class RecordingQueue(queue.Queue):
-    """queue.Queue whose get() records what leaves and refuses to block."""
+    """queue.Queue whose get() records what leaves and refuses to block (upstream
+    would wait for entries the group agreed on but this rank lacks: ``drained``)."""
+
+    drained: type[AssertionError]  # set below: OverDrained (a subclass may name another)
 
     def __init__(self, name, log):
         super().__init__()
@@ -66,11 +69,14 @@ class RecordingQueue(queue.Queue):
 
     def get(self, block=True, timeout=None):
         if self.empty():
-            raise OverDrained(f"{self.name} drained past its {self.qsize()} entries")
+            raise self.drained(f"{self.name} drained past its {self.qsize()} entries")
         item = super().get(block=False)
-        uid = item.uid if isinstance(item, Entry) else int(item[0])  # release: tensor
-        self.log.append((self.name, uid))
+        uid = getattr(item, "uid", None)  # an entry's, or a release's tensor's first
+        self.log.append((self.name, uid if uid is not None else int(item[0])))
         return item
+
+
+RecordingQueue.drained = OverDrained
 
 
 @dataclass(eq=False)

@@ -37,11 +37,10 @@ Everything the lifecycle does is recorded in :class:`Record`, per request.
 
 from __future__ import annotations
 
-import queue
 from dataclasses import dataclass, field
 from typing import Any, Optional, cast
 
-from hicache_async_ack_lab.sim.cache import SimController
+from hicache_async_ack_lab.sim.cache import RecordingQueue, SimController
 from hicache_async_ack_lab.sim.host_tree import SimViolation
 
 
@@ -130,18 +129,17 @@ class Script:
     error: Optional[str] = None  # "query": it answers 0; "read": progress stops short
 
 
+@dataclass(eq=False)
 class SimAck:
     """A PrefetchAck as upstream's sync thread publishes it; the tokens are read
     when the scheduler drains it, capped by the pages the allocation kept."""
 
-    def __init__(self, uid: int, operation, tokens: Optional[int], completed_req: bool,
-                 page_size: int = 1):  # fmt: skip
-        self.uid = uid
-        self.operation = operation
-        self.tokens = tokens
-        self.completed_req = completed_req
-        self.pool_hits = None
-        self.page_size = page_size
+    uid: int
+    operation: Any
+    tokens: Optional[int]
+    completed_req: bool
+    page_size: int = 1
+    pool_hits: Any = None
 
     @property
     def completed_tokens(self) -> Optional[int]:
@@ -350,20 +348,8 @@ class LifecycleController(SimController):
             cast(Any, self.host_mem_release_queue).put(page)
 
 
-class LifecycleQueue(queue.Queue):
-    """A storage queue whose get() records what leaves and refuses to block
-    (upstream would wait for entries the group agreed on but this rank lacks:
-    a bug to report)."""
+class LifecycleQueue(RecordingQueue):
+    """A storage queue of the prefetch lifecycle: over-draining it is a violation the
+    scenario reports."""
 
-    def __init__(self, name, log: list):
-        super().__init__()
-        self.name = name
-        self.log = log
-
-    def get(self, block=True, timeout=None):
-        if self.empty():
-            raise SimViolation(f"{self.name} was drained past its entries")
-        item = super().get(block=False)
-        uid = getattr(item, "uid", None)
-        self.log.append((self.name, uid if uid is not None else int(item[0])))
-        return item
+    drained = SimViolation

@@ -88,24 +88,17 @@ def new_scheduler(cache, spec: dict, page_size: int):
 
     priority = spec.get("order") == "priority"
     shim = object.__new__(Scheduler)
-    shim.__dict__.update(
-        tree_cache=cache,
-        enable_hierarchical_cache=True,
-        enable_hicache_storage=True,
-        enable_lmcache=False,
-        enable_unified_cache_external_linker=False,
-        disaggregation_mode=DisaggregationMode.NULL,
-        waiting_queue=[],
-        max_queued_requests=None,
-        enable_priority_scheduling=priority,
-        schedule_low_priority_values_first=False,
-        abort_on_priority_when_disabled=False,
-        processed_tokens_counter=0,
-        page_size=page_size,
-        forward_ct=0,
-        token_to_kv_pool_allocator=KVAllocator(page_size),
-        policy=SchedulePolicy(queue_policy(spec), cache, True, priority, False),
-    )
+    off = ("enable_lmcache", "enable_unified_cache_external_linker",
+           "schedule_low_priority_values_first", "abort_on_priority_when_disabled")  # fmt: skip
+    shim.__dict__.update(dict.fromkeys(off, False))
+    shim.__dict__.update({
+        "tree_cache": cache, "enable_hierarchical_cache": True, "enable_hicache_storage": True,
+        "disaggregation_mode": DisaggregationMode.NULL, "waiting_queue": [],
+        "max_queued_requests": None, "enable_priority_scheduling": priority,
+        "processed_tokens_counter": 0, "page_size": page_size, "forward_ct": 0,
+        "token_to_kv_pool_allocator": KVAllocator(page_size),
+        "policy": SchedulePolicy(queue_policy(spec), cache, True, priority, False),
+    })  # fmt: skip
     return shim
 
 
