@@ -23,8 +23,8 @@ unset PYTHONPATH
 
 # The per-release subset: the version guard, the unit tests on the real class,
 # plugin loading through SGLang's real load_plugins(), TP=2 and TP=4 over real gloo.
-SUBSET=(test/unit/test_upstream.py test/unit/test_unit_sglang.py test/unit/test_plugin_loading.py
-  test/multirank/test_multirank.py)
+SUBSET=(test/unit/test_upstream.py test/unit/test_sglang_cache.py test/unit/test_plugin_loading.py
+  test/multirank/test_tp_groups.py)
 
 venv_release=$("$py" -c 'from hicache_async_ack.guard import installed_version as v; print(v())')
 logs=$(mktemp -d)

@@ -1,7 +1,7 @@
 """Held prefetch starts (features/vote_starts.py) and the engine-agnostic choice of the
 read in flight that covers a start (protocol.covering), one process, no collective.
 The multi-rank behaviour beside stock is the differential's (test/multirank/
-test_differential_multirank.py)."""
+test_differential.py)."""
 
 from __future__ import annotations
 

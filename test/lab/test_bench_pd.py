@@ -1,7 +1,7 @@
 """``bench-server --workload pd`` without a server: a round's visits (the prefill
 warm-up, one decode server per arm serving every latency, the latency switched
 between runs), its figures and checks, on a stand-in pair (the real pair runs in
-test_e2e_pd.py and the bench itself)."""
+test_pd.py and the bench itself)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """cpu-server's PD mode without starting a server: what each role is started with,
-the stand-ins' pieces, bad input named (the end-to-end runs: test_e2e_pd*.py)."""
+the stand-ins' pieces, bad input named (the end-to-end runs: test_pd*.py)."""
 
 from __future__ import annotations
 

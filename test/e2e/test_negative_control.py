@@ -1,7 +1,7 @@
 """The negative control of the end-to-end correctness checks: they must fail on a
 server whose KV copies are broken.
 
-One cpu-server configured as test_e2e_server.py's plugin server (TP=2, write-through,
+One cpu-server configured as test_server.py's plugin server (TP=2, write-through,
 file storage, skewed acks), but with the direct-copy stand-in broken on purpose
 (``HICACHE_ASYNC_ACK_CPU_BREAK_COPIES``: ``noop`` copies nothing between device and
 host, so every host or storage hit brings back stale KV). The very helpers those

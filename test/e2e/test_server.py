@@ -7,7 +7,7 @@ events report done three polls after rank 0's, as on a GPU host), and are
 driven with the same requests over HTTP. The bundled model's seeded weights make
 every answer depend on the whole prompt, so comparing greedy tokens and their
 logprobs checks the KV that came back from host or storage (the negative control,
-test_e2e_negative_control.py, shows these very checks failing on broken copies).
+test_negative_control.py, shows these very checks failing on broken copies).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ core of sim.host_tree; the plugin reached only through load_plugins().
   differential --scenarios 2000`` runs more.
 
 Walks that diverge past the slots (47's finding 9) and the admission check
-(43's finding 5) are test_prefetch_walk_multirank.py's.
+(43's finding 5) are test_prefetch_walk.py's.
 """
 
 from __future__ import annotations

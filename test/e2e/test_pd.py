@@ -19,7 +19,7 @@ so skew must change no pop.
   (counted at upstream's pop methods by cpu-server), the same store contents;
 - a decode TP rank SIGKILLed mid-offload takes the decode server down, plugin and
   stock alike: by the same mechanism, within the server's own watchdog.
-The two-node decode with the plugin off on one node: test_e2e_pd_mixed_nodes.py.
+The two-node decode with the plugin off on one node: test_pd_mixed_nodes.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``hicache-async-ack-lab differential``: the command line around the
-differential runs (test_differential_multirank.py tests the comparison).
+differential runs (test_differential.py tests the comparison).
 
 A replayed finding runs both arms over real gloo and says 0 differ, printing
 how often each path of issue 52's list was exercised (and, in a run long enough,
