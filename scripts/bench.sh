@@ -21,6 +21,10 @@
 #       PD disaggregation: a real prefill/decode pair per round, the decode offload
 #       sync of stock, the plugin and the bound, each arm's decode serving 0 and 3.2 ms
 #       (switched between runs), 5 rounds (docs/bench.md; ~70 min on a quiet box)
+#   scripts/bench.sh --shared-prompt [bench-server args]
+#       a system prompt stored in Mooncake, 32 requests sharing it per arrival pattern
+#       (poisson, dense, burst): L3 queries and keys read per request, TTFT, tok/s for
+#       stock, the plugin and read once, 5 rounds (docs/bench.md)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$(bash "$root/scripts/setup.sh")
@@ -42,6 +46,9 @@ case "${1:-}" in
       --latency-ms 0,3.2 --rounds 5 --runs 4 --num-groups 4 --prompts-per-group 4 \
       --system-prompt-len 64 --question-len 32 --output-len 128 --max-concurrency 8 \
       --out bench-pd.jsonl --png bench-pd.png "$@" ;;
+  --shared-prompt) shift
+    exec "$cli" bench-server --storage mooncake --workload shared-prompt --rounds 5 \
+      --out bench-shared-prompt.jsonl --png bench-shared-prompt.png "$@" ;;
 esac
 "$cli" bench "$@"
 "$cli" bench-server

@@ -4,9 +4,9 @@ differential runs (test_differential.py tests the comparison).
 A replayed finding runs both arms over real gloo and says 0 differ, printing
 how often each path of issue 52's list was exercised (and, in a run long enough,
 warning on any never exercised); the same finding with its negative control says
-1 differs, shows it as a scenario to replay and writes it to --first, which
-replays as it was (so the CLI does not print a count it did not measure). Bad
-input names what is accepted."""
+1 differs, counts it by clause, shows it as a scenario to replay and writes it to
+--first (and --failed, every one), which replays as it was (so the CLI does not
+print a count it did not measure). Bad input names what is accepted."""
 
 from __future__ import annotations
 
@@ -43,13 +43,16 @@ def test_a_replayed_finding_matches_stock(tmp_path, capsys, monkeypatch):
 
 
 def test_a_difference_is_shown_as_a_scenario_to_replay(tmp_path, capsys):
-    path, first = tmp_path / "control.json", tmp_path / "first.json"
+    path, first, failed = (tmp_path / f for f in ("control.json", "first.json", "failed.json"))
     path.write_text(json.dumps([controlled(FINDING)]))
-    rc, out, _ = run_cli(capsys, "--replay", str(path), "--first", str(first))
+    argv = ("--replay", str(path), "--first", str(first), "--failed", str(failed))
+    rc, out, _ = run_cli(capsys, *argv)
     assert rc == 1, out
     assert "1 scenarios, 1 differ from stock" in out, out
+    assert "failing scenarios by clause: " in out, out
     assert "scenario f2_finish_after_deadline_control:" in out and "replay it:" in out
     assert json.loads(first.read_text()) == controlled(FINDING)
+    assert json.loads(failed.read_text()) == [controlled(FINDING)]
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 from hicache_async_ack_lab.cli_support import ToolError
@@ -66,6 +67,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--first", metavar="FILE", help="write the first scenario that differs there (JSON)"
     )
     p.add_argument(
+        "--failed",
+        metavar="FILE",
+        help="write every scenario that differs there (a JSON list --replay runs)",
+    )
+    p.add_argument(
         "--show",
         type=int,
         default=6,
@@ -97,6 +103,11 @@ def load(path: str) -> list[dict]:
 
 
 HARD = ("agreement", "liveness", "resources", "host-served")
+
+
+def clause(difference: str) -> str:
+    """The clause a difference names ("resources: ..." -> "resources")."""
+    return difference.split(":")[0]
 
 
 def add(into: dict, more: dict) -> None:
@@ -135,7 +146,7 @@ def run(args) -> int:
         done = at + len(part)
         print(f"differential: {done}/{len(specs)} run, {len(bad)} fail "
               f"({time.monotonic() - t0:.0f} s)", flush=True)  # fmt: skip
-    hard = sum(1 for _, d in bad if any(x.split(":")[0] in HARD for x in d))
+    hard = sum(1 for _, d in bad if any(clause(x) in HARD for x in d))
     took = time.monotonic() - t0
     print(f"differential: {len(specs)} scenarios, {len(bad)} differ from stock "
           f"({hard} on a hard clause; seed {args.seed}, {took:.0f} s)")  # fmt: skip
@@ -152,6 +163,12 @@ def run(args) -> int:
     print("differential: resources (rank 0), stock / plugin: " + ", ".join(
         f"{k} {totals['stock'][k]} / {totals['plugin'][k]}" for k in totals["stock"]))  # fmt: skip
     if bad:
+        by = Counter(c for _, d in bad for c in {clause(x) for x in d})
+        print("differential: failing scenarios by clause: "
+              + ", ".join(f"{k} {v}" for k, v in sorted(by.items())))  # fmt: skip
+        if args.failed:
+            Path(args.failed).write_text(json.dumps([s for s, _ in bad], indent=1))
+            print(f"differential: all {len(bad)} are in {args.failed}")
         spec, diffs = bad[0]
         print(diff_compare.replay_text(spec, diffs, args.show))
         if args.first:

@@ -152,7 +152,34 @@ def limited_by(spec: dict, stock: dict, plugin: dict) -> list[str]:
             why.append(race)
     if operator(stock) != operator(plugin):
         why.append("operator_race")
+    if start_raced(spec, stock, plugin):
+        why.append("start_race")
     return why
+
+
+def start_raced(spec: dict, stock: dict, plugin: dict) -> bool:
+    """A start the plugin moved (held) into a pass that ran no walk (a full batch): its
+    prefetch's timer starts at its first blocked poll, more passes after its read
+    started than in stock, so its deadline meets the read at another point. Stock's
+    outcomes depend on that as on any full batch: limited."""
+    full = set(spec.get("limits", {}).get("full", ()))
+    s_q, p_q = first_passes(stock, "query"), first_passes(plugin, "query")
+    s_p, p_p = first_passes(stock, "polled"), first_passes(plugin, "polled")
+    for key, polled in p_p.items():
+        if key in p_q and key in s_q and key in s_p:
+            skipped = range(p_q[key], polled)
+            if polled - p_q[key] > s_p[key] - s_q[key] and all(q in full for q in skipped):
+                return True
+    return False
+
+
+def first_passes(result: dict, kind: str) -> dict:
+    """Per request, the first pass with an event ``kind``."""
+    out: dict = {}
+    for at, k, what, _ in result["events"]:
+        if what == kind:
+            out.setdefault(json.dumps(k), at)
+    return out
 
 
 def events_of(result: dict, kind: str) -> list:
