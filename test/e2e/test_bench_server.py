@@ -427,6 +427,8 @@ def _bench(tmp_path, *argv: str) -> tuple[dict, str]:
     return json.loads(out.read_text().splitlines()[-1]), proc.stdout
 
 
+# soak: five arms, five server starts; the quick run below is CI's smoke of the bench
+@pytest.mark.soak
 @pytest.mark.e2e
 def test_the_seeds_arms_on_the_real_server_multiturn(tmp_path):
     record, stdout = _bench(

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from hicache_async_ack.env import PREFETCH_VOTES_VAR
+from hicache_async_ack.features.ack_counts import STORAGE_WITHOUT_VOTES
 from hicache_async_ack_lab.cpu_server import Server, free_port
 
 from support.e2e_servers import BASE_ARGS, START_TIMEOUT_S, STOCK_ENV
@@ -27,10 +28,10 @@ STOP_WITHIN_S = START_TIMEOUT_S
     [
         # The plugin disabled on node 1: the ack sync's first exchange names it.
         (STOCK_ENV, False, "HiCacheAckSyncMismatch: HiCache ack sync"),
-        # Only the prefetch votes off on node 1 (a storage backend attached, default
-        # timeout policy): the ack sync's first exchange carries their flags (they
-        # ride its reduce) and names the setting.
-        ({PREFETCH_VOTES_VAR: "0"}, True, PREFETCH_VOTES_VAR + ": this rank 1"),
+        # Only the prefetch votes off on node 1 (a storage backend attached): node 1
+        # keeps SGLang's storage path (storage_without_votes, 0.2.0), so node 0's
+        # first exchange meets a blocking peer and names the setting as a cause.
+        ({PREFETCH_VOTES_VAR: "0"}, True, f"{PREFETCH_VOTES_VAR}=0 there keeps SGLang's"),
     ],
     ids=["plugin-disabled", "prefetch-votes-off"],
 )
@@ -60,6 +61,8 @@ def test_a_node_configured_otherwise_stops_both_and_the_cause_is_named(
         assert all(n.exited() for n in nodes), "a node still runs:\n" + logs[0][-3000:]
         # Node 0 pipelines, and knows: its log says why.
         assert cause in logs[0], logs[0][-4000:]
+        if storage:  # and node 1's own line says why it stayed on SGLang's path
+            assert STORAGE_WITHOUT_VOTES.reason in logs[1], logs[1][-4000:]
     finally:
         for node in nodes:
             node.stop()

@@ -299,6 +299,8 @@ class TestCacheMode:
         storage = {q: v for q, v in popped["0"].items() if "prefetch" in q or "backup" in q}
         assert storage and all(v > 0 for v in storage.values()), popped["0"]
 
+    # soak: a third server start; Mooncake's sharing, not the plugin's
+    @pytest.mark.soak
     def test_cross_instance_reuse_a_fresh_server_hits_what_the_first_stored(
         self, servers, masters, workdir, first_pass
     ):
@@ -513,6 +515,8 @@ class TestBufferOnly:
 # --- two nodes, buffer_only, the plugin disabled on one: both stop ---------------------
 
 
+# soak: two more nodes; test_mixed_nodes.py stops a mixed pair in CI
+@pytest.mark.soak
 def test_two_nodes_buffer_only_plugin_disabled_on_one_stop_both(masters, workdir):
     mc = masters["plugin"]
     if not mc.alive():
@@ -592,6 +596,8 @@ def _storage_bench(tmp_path: Path, *argv: str) -> dict:
     return run
 
 
+# soak: two bench runs on Mooncake; test_bench_server.py runs the shared-prompt one in CI
+@pytest.mark.soak
 def test_the_storage_bench_keeps_a_whole_burst_waiting_on_its_prefetches(tmp_path):
     # The default host pool takes the burst: every prompt's prefetch is issued, none is
     # declined for want of host memory, and many are decided on in the same pass.

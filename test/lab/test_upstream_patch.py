@@ -64,19 +64,28 @@ def _version(root: Path) -> str:
     return infos[0].name[len("sglang-") : -len(".dist-info")] if infos else root.name
 
 
-def release_roots() -> list:
+def release_roots(soak_overlays: bool = False) -> list:
     """Directories holding an ``sglang/`` to patch: the installed release first,
-    then each per-release test overlay present (tools/releases.py makes them)."""
+    then each per-release test overlay present (tools/releases.py makes them);
+    ``soak_overlays``: the overlays' params marked soak."""
     installed = installed_root()
     found = {_version(installed): installed}
     overlays = cache_root() / "sglang-overlays"
     for hit in sorted(overlays.glob(f"*/{CACHE_PATH}")):
         root = hit.parents[3]
         found.setdefault(_version(root), root)
-    return [pytest.param(root, id=v) for v, root in found.items()]
+    soak = pytest.mark.soak if soak_overlays else ()
+    return [
+        pytest.param(root, id=v, marks=() if root == installed else soak)
+        for v, root in found.items()
+    ]
 
 
 RELEASES = release_roots()
+# The patched tree's runs (minutes of gloo ranks per release) on the overlays are soak
+# (-m soak): the installed release's run every path the patch adds; the static checks
+# above run on every release.
+RUN_RELEASES = release_roots(soak_overlays=True)
 
 
 def patch_p1(patch: str, root: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -535,7 +544,7 @@ def test_an_already_patched_tree_is_refused(capsys, tmp_path, patch_text):
 
 
 # ------------------------------------------------------------ the patched tree runs
-@pytest.fixture(scope="module", params=RELEASES)
+@pytest.fixture(scope="module", params=RUN_RELEASES)
 def release(request, tmp_path_factory) -> tuple[Path, Path]:
     """(each release's SGLang, that release patched with the patch generated from it)."""
     root = request.param
@@ -561,10 +570,16 @@ def intree_env(release) -> dict[str, str]:
     return _env(release[1], exclude_plugin=True)
 
 
+PREPEND = "--import-mode=prepend"
+
+
 def _pytest(env: dict[str, str], cwd: Path, *args: str) -> tuple[int, int, str]:
     """pytest in a fresh interpreter: (exit status, tests passed, output's tail)."""
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        # prepend, as SGLang's CI imports them: a spawned rank unpickles its target by
+        # module name, and importlib mode (our pyproject's) names a file outside the
+        # rootdir by its path ("tmp.pytest-of-root..."), which no child can import
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", PREPEND, *args],
         cwd=cwd,
         env=env,
         capture_output=True,
