@@ -3,7 +3,11 @@
 #
 #   scripts/test.sh                    everything CI needs (what .ci/run calls): the full
 #                                      suite on the venv's SGLang (the newest tested), then
-#                                      the per-release subset on every other tested release
+#                                      the per-release subset on every other tested release;
+#                                      the end-to-end tests (test/e2e) run beside the rest,
+#                                      a second pytest (their servers wait on I/O and
+#                                      start-up, the rest on gloo ranks: two streams fill a
+#                                      2-core box), their log printed when they end
 #   scripts/test.sh --sglang 0.5.21 [pytest args]
 #                                      one release: the full suite if it is the venv's,
 #                                      the per-release subset otherwise
@@ -28,71 +32,99 @@ SUBSET=(test/unit/test_upstream.py test/unit/test_sglang_cache.py test/unit/test
 
 venv_release=$("$py" -c 'from hicache_async_ack.guard import installed_version as v; print(v())')
 logs=$(mktemp -d)
-trap 'rm -rf "$logs"' EXIT
-summary=()
-passed=0
-failed=0
-skipped=0
+e2e_pid=""
+cleanup() {
+  [ -z "$e2e_pid" ] || kill -- "-$e2e_pid" 2>/dev/null || true
+  rm -rf "$logs"
+}
+trap cleanup EXIT
 
 count() {  # count WORD LOG: N from pytest's closing line ("3 passed, 1 skipped in 2.0s")
   local line
-  line=$(grep -E '^=+ .* in [0-9.]+s' "$2" | tail -1 || true)
+  line=$(grep -E '^(=+ )?[0-9]+ [a-z]+.* in [0-9.]+s' "$2" | tail -1 || true)
   echo "$line" | grep -oE "[0-9]+ $1" | grep -oE '^[0-9]+' || echo 0
 }
 
-run_part() {  # run_part RELEASE [pytest args...]
-  local release=$1 what="full suite" overlay="" log rc=0 start=$SECONDS
-  shift
-  local -a tests=(test)
-  log="$logs/$release.log"
+run_part() {  # run_part NAME RELEASE [pytest args...]: its log and result under $logs
+  local name=$1 release=$2 what="full suite" overlay="" log="$logs/$1.log" rc=0 start=$SECONDS
+  shift 2
+  local -a args=("$@")
+  [ ${#args[@]} -gt 0 ] || args=(test)
   if [ "$release" != "$venv_release" ]; then
     what="release subset"
-    tests=("${SUBSET[@]}")
+    [ $# -gt 0 ] || args=("${SUBSET[@]}")
     if ! overlay=$("$py" -m hicache_async_ack_lab.releases overlay "$release"); then
-      summary+=("sglang $release $what: FAILED (no overlay) in $((SECONDS - start)) s")
-      failed=$((failed + 1))
+      echo "sglang $release $what ($name): FAILED (no overlay) in $((SECONDS - start)) s|0|1|0" \
+        > "$logs/$name.sum"
       return
     fi
   fi
-  echo "test.sh: sglang $release, $what${overlay:+ (overlay $overlay)}"
-  PYTHONPATH=$overlay "$py" -m pytest "${tests[@]}" "$@" 2>&1 | tee "$log" || rc=$?
-  local p f e s
+  echo "test.sh: sglang $release, $what ($name)${overlay:+ (overlay $overlay)}"
+  if [ "${QUIET:-0}" = 1 ]; then
+    PYTHONPATH=$overlay "$py" -m pytest "${args[@]}" > "$log" 2>&1 || rc=$?
+  else
+    PYTHONPATH=$overlay "$py" -m pytest "${args[@]}" 2>&1 | tee "$log" || rc=$?
+  fi
+  local p f e s verdict="passed"
   p=$(count passed "$log")
   f=$(count failed "$log")
   e=$(count error "$log")
   s=$(count skipped "$log")
-  passed=$((passed + p))
-  skipped=$((skipped + s))
-  failed=$((failed + f + e))
-  if [ "$rc" -ne 0 ] && [ $((f + e)) -eq 0 ]; then
-    failed=$((failed + 1))  # pytest itself failed (collection, no tests, ...)
+  f=$((f + e))
+  if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then
+    f=1  # pytest itself failed (collection, no tests, ...)
   fi
-  local verdict="passed"
   [ "$rc" -eq 0 ] || verdict="FAILED (pytest exit $rc)"
-  summary+=("sglang $release $what: $verdict, $p passed, $((f + e)) failed in $((SECONDS - start)) s")
+  echo "sglang $release $what ($name): $verdict, $p passed, $f failed in $((SECONDS - start)) s|$p|$f|$s" \
+    > "$logs/$name.sum"
 }
 
 if [ "${1:-}" = "--sglang" ]; then
   [ $# -ge 2 ] || { echo "usage: $0 --sglang RELEASE [pytest args]" >&2; exit 2; }
   release=$2
   shift 2
-  run_part "$release" "$@"
+  run_part "sglang-$release" "$release" "$@"
 elif [ $# -gt 0 ]; then
-  run_part "$venv_release" "$@"
+  run_part "suite" "$venv_release" "$@"
 else
   # Every overlay first: the upstream-patch test applies the patch to each release.
   for release in $("$py" -m hicache_async_ack_lab.releases tested); do
     [ "$release" = "$venv_release" ] || "$py" -m hicache_async_ack_lab.releases overlay "$release" >/dev/null
   done
-  run_part "$venv_release"
+  # Its own process group: stopped with everything it started if this script stops.
+  QUIET=1 setsid bash -c "$(declare -f count run_part); $(declare -p py venv_release logs SUBSET);
+    run_part e2e $venv_release test/e2e" &
+  e2e_pid=$!
+  echo "test.sh: test/e2e runs beside the rest (its log follows when it ends)"
+  run_part "suite" "$venv_release" test --ignore=test/e2e
   for release in $("$py" -m hicache_async_ack_lab.releases tested); do
-    [ "$release" = "$venv_release" ] || run_part "$release"
+    [ "$release" = "$venv_release" ] || run_part "sglang-$release" "$release"
   done
+  wait "$e2e_pid" || true
+  e2e_pid=""
+  [ -e "$logs/e2e.sum" ] || echo "sglang $venv_release full suite (e2e): FAILED (no result)|0|1|0" \
+    > "$logs/e2e.sum"
+  echo
+  cat "$logs/e2e.log" 2>/dev/null || echo "test.sh: test/e2e left no log"
 fi
 
 echo
-for line in "${summary[@]}"; do
+passed=0
+failed=0
+skipped=0
+parts=0
+for sum in "$logs"/*.sum; do
+  [ -e "$sum" ] || continue
+  IFS='|' read -r line p f s < "$sum"
   echo "test.sh: $line"
+  passed=$((passed + p))
+  failed=$((failed + f))
+  skipped=$((skipped + s))
+  parts=$((parts + 1))
 done
+if [ "$parts" -eq 0 ]; then
+  echo "test.sh: no part reported"
+  failed=1
+fi
 echo "tests: $passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]

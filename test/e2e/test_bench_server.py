@@ -427,7 +427,7 @@ def _bench(tmp_path, *argv: str) -> tuple[dict, str]:
     return json.loads(out.read_text().splitlines()[-1]), proc.stdout
 
 
-# soak: five arms, five server starts; the quick run below is CI's smoke of the bench
+# soak: five arms, five server starts; the shared-prompt run is CI's smoke of the bench
 @pytest.mark.soak
 @pytest.mark.e2e
 def test_the_seeds_arms_on_the_real_server_multiturn(tmp_path):
@@ -459,6 +459,8 @@ def test_the_seeds_arms_on_the_real_server_multiturn(tmp_path):
     assert "inconclusive" in stdout  # one round: no interval, no claim
 
 
+# soak: two more server starts; the shared-prompt run below is CI's smoke of the bench
+@pytest.mark.soak
 @pytest.mark.e2e
 def test_the_quick_default_workload_on_the_real_server(tmp_path):
     record, stdout = _bench(
