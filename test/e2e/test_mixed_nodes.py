@@ -28,9 +28,9 @@ STOP_WITHIN_S = START_TIMEOUT_S
         # The plugin disabled on node 1: the ack sync's first exchange names it.
         (STOCK_ENV, False, "HiCacheAckSyncMismatch: HiCache ack sync"),
         # Only the prefetch votes off on node 1 (a storage backend attached): node 1
-        # keeps SGLang's storage path (storage_without_votes, 0.2.0), so node 0's
-        # first exchange meets a blocking peer and names the setting as a cause.
-        ({PREFETCH_VOTES_VAR: "0"}, True, f"{PREFETCH_VOTES_VAR}=0 there keeps SGLang's"),
+        # keeps SGLang's storage path (storage_without_votes, 0.2.0) and its votes run
+        # their own first exchange, which node 0's ack sync names by its protocol.
+        ({PREFETCH_VOTES_VAR: "0"}, True, f"{PREFETCH_VOTES_VAR} is off there"),
     ],
     ids=["plugin-disabled", "prefetch-votes-off"],
 )
@@ -60,8 +60,8 @@ def test_a_node_configured_otherwise_stops_both_and_the_cause_is_named(
         assert all(n.exited() for n in nodes), "a node still runs:\n" + logs[0][-3000:]
         # Node 0 pipelines, and knows: its log says why.
         assert cause in logs[0], logs[0][-4000:]
-        if storage:  # and node 1's own line says why it stayed on SGLang's path
-            said = "the prefetch votes do not decide the waiting-queue walk"
+        if storage:  # and node 1's votes name the same setting from their side
+            said = f"{PREFETCH_VOTES_VAR} is on there and off here"
             assert said in logs[1], logs[1][-4000:]
     finally:
         for node in nodes:
