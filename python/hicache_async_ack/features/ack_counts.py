@@ -60,8 +60,7 @@ MISMATCH_HINTS = {
     "stock": (
         "that rank does not pipeline: hicache-async-ack is not installed or not loaded "
         f"there (e.g. {PLUGINS_VAR} excludes it), {ENABLE_VAR}=0 is set there, or its cache "
-        f"is not eligible (with a storage backend, {PREFETCH_VOTES_VAR}=0 there keeps SGLang's "
-        "storage path; its log line says why). Give every node of the TP group the same "
+        "is not eligible (its log line says why). Give every node of the TP group the same "
         "install and the same settings."
     ),
 }
