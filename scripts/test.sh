@@ -3,7 +3,8 @@
 #
 #   scripts/test.sh                    everything CI needs (what .ci/run calls): the full
 #                                      suite on the venv's SGLang (the newest tested), then
-#                                      the per-release subset on every other tested release;
+#                                      the per-release subset on every other tested release
+#                                      (its TP=2/TP=4 gloo runs on the oldest);
 #                                      the end-to-end tests (test/e2e) run beside the rest,
 #                                      a second pytest (their servers wait on I/O and
 #                                      start-up, the rest on gloo ranks: two streams fill a
@@ -27,8 +28,8 @@ unset PYTHONPATH
 
 # The per-release subset: the version guard, the unit tests on the real class,
 # plugin loading through SGLang's real load_plugins(), TP=2 and TP=4 over real gloo.
-SUBSET=(test/unit/test_upstream.py test/unit/test_sglang_cache.py test/unit/test_plugin_loading.py
-  test/multirank/test_tp_groups.py)
+SUBSET_UNIT=(test/unit/test_upstream.py test/unit/test_sglang_cache.py test/unit/test_plugin_loading.py)
+SUBSET=("${SUBSET_UNIT[@]}" test/multirank/test_tp_groups.py)
 
 venv_release=$("$py" -c 'from hicache_async_ack.guard import installed_version as v; print(v())')
 logs=$(mktemp -d)
@@ -91,14 +92,29 @@ else
   for release in $("$py" -m hicache_async_ack_lab.releases tested); do
     [ "$release" = "$venv_release" ] || "$py" -m hicache_async_ack_lab.releases overlay "$release" >/dev/null
   done
+  older=()
+  for release in $("$py" -m hicache_async_ack_lab.releases tested); do
+    [ "$release" = "$venv_release" ] || older+=("$release")
+  done
+  # The oldest release runs the whole subset (its TP=2/TP=4 gloo ranks too); the ones
+  # between run the guard, the real class and plugin loading (`--sglang R` runs all of
+  # it). The newest of them runs after test/e2e, in its stream: both streams end close.
+  oldest=${older[0]:-}
+  after_e2e=""
+  [ ${#older[@]} -lt 2 ] || after_e2e=${older[-1]}
   # Its own process group: stopped with everything it started if this script stops.
-  QUIET=1 setsid bash -c "$(declare -f count run_part); $(declare -p py venv_release logs SUBSET);
-    run_part e2e $venv_release test/e2e" &
+  QUIET=1 setsid bash -c "$(declare -f count run_part); $(declare -p py venv_release logs SUBSET SUBSET_UNIT);
+    run_part e2e $venv_release test/e2e
+    [ -z '$after_e2e' ] || run_part sglang-$after_e2e $after_e2e \"\${SUBSET_UNIT[@]}\"" &
   e2e_pid=$!
   echo "test.sh: test/e2e runs beside the rest (its log follows when it ends)"
   run_part "suite" "$venv_release" test --ignore=test/e2e
-  for release in $("$py" -m hicache_async_ack_lab.releases tested); do
-    [ "$release" = "$venv_release" ] || run_part "sglang-$release" "$release"
+  for release in "${older[@]}"; do
+    if [ "$release" = "$oldest" ]; then
+      run_part "sglang-$release" "$release"
+    elif [ "$release" != "$after_e2e" ]; then
+      run_part "sglang-$release" "$release" "${SUBSET_UNIT[@]}"
+    fi
   done
   wait "$e2e_pid" || true
   e2e_pid=""
@@ -106,6 +122,9 @@ else
     > "$logs/e2e.sum"
   echo
   cat "$logs/e2e.log" 2>/dev/null || echo "test.sh: test/e2e left no log"
+  [ -z "$after_e2e" ] || cat "$logs/sglang-$after_e2e.log" 2>/dev/null || true
+  [ -z "$after_e2e" ] || [ -e "$logs/sglang-$after_e2e.sum" ] ||
+    echo "sglang $after_e2e release subset: FAILED (no result)|0|1|0" > "$logs/sglang-$after_e2e.sum"
 fi
 
 echo
