@@ -118,13 +118,11 @@ else
   done
   wait "$e2e_pid" || true
   e2e_pid=""
-  [ -e "$logs/e2e.sum" ] || echo "sglang $venv_release full suite (e2e): FAILED (no result)|0|1|0" \
-    > "$logs/e2e.sum"
   echo
-  cat "$logs/e2e.log" 2>/dev/null || echo "test.sh: test/e2e left no log"
-  [ -z "$after_e2e" ] || cat "$logs/sglang-$after_e2e.log" 2>/dev/null || true
-  [ -z "$after_e2e" ] || [ -e "$logs/sglang-$after_e2e.sum" ] ||
-    echo "sglang $after_e2e release subset: FAILED (no result)|0|1|0" > "$logs/sglang-$after_e2e.sum"
+  for part in e2e ${after_e2e:+"sglang-$after_e2e"}; do  # the second stream's parts
+    cat "$logs/$part.log" 2>/dev/null || echo "test.sh: $part left no log"
+    [ -e "$logs/$part.sum" ] || echo "$part: FAILED (no result)|0|1|0" > "$logs/$part.sum"
+  done
 fi
 
 echo
