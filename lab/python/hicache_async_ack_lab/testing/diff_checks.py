@@ -32,14 +32,18 @@ was limited by.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Optional
 
 from hicache_async_ack_lab.testing.diff_records import (
+    READ_ONCE,
     depth_of,
     ends,
+    held_starts,
     lateness,
     lifecycle,
     limited_by,
+    most_late,
+    passes_of,
     ranks_of,
     read_once,
 )
@@ -222,32 +226,96 @@ def admitted(result: dict) -> dict:
             for at, k, kind, d in result["events"] if kind == "admitted"}  # fmt: skip
 
 
+def held(result: dict) -> dict[str, tuple[dict, Optional[dict]]]:
+    """Per request the plugin held for read once: (its hold, its release or None)."""
+    out: dict[str, tuple[dict, Optional[dict]]] = {}
+    for kind, f in result.get("plugin_events", []):
+        key = json.dumps(f.get("key"))
+        if kind == "hold" and f.get("why") == READ_ONCE:
+            out[key] = (f, None)
+        elif kind == "release" and f.get("why") == READ_ONCE and key in out:
+            out[key] = (out[key][0], f)
+    return out
+
+
+GONE = ("retired", "aborted")  # a prefetch's events once it left the cache
+
+
+def ends_in(result: dict, key: object) -> bool:
+    """Whether a prefetch of request ``key`` left the cache in this run."""
+    return any("released" in e for e in result.get("ops", {}).get(json.dumps(key), ()))
+
+
+def waits(spec: dict, p: dict, rank: int) -> list[str]:
+    """Read once's bound on a wait: a request waiting on a read in flight starts
+    within a pass of that read's operation leaving (landed, cut, failed, aborted,
+    evicted), whatever the walk was limited by; one still held at the end waits on
+    an operation still there, or was aborted."""
+    out = []
+    ops, aborted = p.get("ops", {}), passes_of(p, "aborted")
+    for key, (hold, release) in held(p).items():
+        awaited = json.dumps(hold["awaits"])
+        gone = [e["released"] for e in ops.get(awaited, ())
+                if e["started"] <= hold["at"] and "released" in e]  # fmt: skip
+        # a read retired in the pass it started (its request aborted at arrival) is
+        # never seen ongoing at a pass's end: its events say when it went
+        gone += [at for at, k, kind, _ in p["events"]
+                 if json.dumps(k) == awaited and kind in GONE]  # fmt: skip
+        left = min((g for g in gone if g >= hold["at"]), default=None)
+        if release is None:
+            if left is not None and key not in aborted:
+                out.append(f"liveness: rank {rank}: {key} waits on {awaited}'s read, gone "
+                           f"at pass {left}, and was never released")  # fmt: skip
+        elif left is None or release["at"] > left + 1:
+            out.append(f"liveness: rank {rank}: {key} released at pass {release['at']}, "
+                       f"{awaited}'s read gone at pass {left} (at most a pass before)")  # fmt: skip
+    return out
+
+
 def host_served(spec: dict, s: dict, p: dict, rank: int) -> list[str]:
-    """Where the walk was not limited: every request stock admitted with cached
-    tokens (on the host, or already loaded back to the device by another request:
-    the tree's device copies are of host pages) is admitted with at least stock's
-    cached tokens, at most depth + 1 passes later (from its arrival in each run; later
-    where the walk could not reach it: a full pass, a cutoff), as the exact comparison
-    allows."""
+    """Where the walk was not limited: every request stock served from the host is
+    admitted with at least the cached tokens it was served from the host, at most
+    depth + 1 passes later (from its arrival in each run; later where the walk could
+    not reach it: a full pass, a cutoff).
+
+    Served from the host, in stock: no L3 read of its own, and cached tokens that
+    device and host already held at its arrival (``matched``; the device's copies
+    are of host pages). Tokens another request's L3 read or load-back put there
+    while it waited are that read's outcome: they move with its decisions, which
+    liveness bounds. A request with a hit query of its own is admitted on that
+    query's verdict (or a start held for one): depth more where its start was held for
+    its pass's decisions (:func:`most_late`), and counted from its release where read
+    once held it (:func:`waits` bounds that)."""
     if limited_by(spec, s, p):
         return []
-    most = depth_of(spec) + 1
     a_s, a_p = admitted(s), admitted(p)
-    late_ok = lateness(spec, s, p, most, earlier=True)
+    at_arrival = {json.dumps(k): d[0] for _, k, kind, d in s["events"] if kind == "matched"}
+    queried = {json.dumps(k) for _, k, kind, _ in s["events"] if kind == "query"}
+    waiting = held(p)
+    released = {k: r["at"] for k, (_, r) in waiting.items() if r is not None}
+    # a read that never ends in either run (no deadline, never complete) holds the
+    # requests waiting on it as long as it holds its own (``waits`` checks the rest)
+    endless = {k for k, (h, r) in waiting.items() if r is None
+               and not ends_in(s, h["awaits"]) and not ends_in(p, h["awaits"])}  # fmt: skip
+    own = queried | set(held_starts(p))  # a query of its own, or a start held for one
+    most = {k: most_late(spec, p, k) if k in own else depth_of(spec) + 1 for k in a_s}
     out = []
     for key, (at, from_l3, cached, host) in sorted(a_s.items()):
-        if cached <= 0 or from_l3 > 0:  # not served from the host alone
+        served = min(cached, at_arrival.get(key, cached))
+        if served <= 0 or from_l3 > 0 or key in endless:  # not served from the host alone
             continue
         got = a_p.get(key)
         if got is None:
             out.append(f"host-served: rank {rank}: {key} served from the host by stock "
-                       f"(pass {at}, {cached} cached) was not admitted")  # fmt: skip
+                       f"(pass {at}, {served} cached) was not admitted")  # fmt: skip
             continue
-        if got[2] < cached or not late_ok(key, at, got[0]):
+        late_ok = lateness(spec, s, p, most[key], earlier=True, since=released)
+        if got[2] < served or not late_ok(key, at, got[0]):
             out.append(f"host-served: rank {rank}: {key}: stock admitted it at pass {at} "
-                       f"with {cached} cached ({host} loaded from the host), the plugin at "
-                       f"pass {got[0]} with {got[2]} (at most {most} passes later, or later "
-                       "where the walk could not reach it; at least as many)")  # fmt: skip
+                       f"with {served} cached at arrival ({host} loaded from the host), the "
+                       f"plugin at pass {got[0]} with {got[2]} (at most {most[key]} "
+                       "passes later, or later where the walk could not reach it; at least "
+                       "as many)")  # fmt: skip
     return out
 
 
@@ -265,6 +333,7 @@ def hard_violations(spec: dict, stock: list, plugin: list) -> list[str]:
         found += resources(spec, s, p, rank)
         found += spending(spec, s, p, rank)
         found += host_served(spec, s, p, rank)
+        found += waits(spec, p, rank)
     return found
 
 

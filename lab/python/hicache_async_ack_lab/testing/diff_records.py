@@ -5,6 +5,7 @@ made the walk depend on what it admitted or on timing the plugin moves."""
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 from hicache_async_ack import env as plugin_env
 from hicache_async_ack.env import DEPTH_AUTO, DEPTH_MAX, DEPTH_VAR, PREFETCH_VOTES_VAR
@@ -19,7 +20,9 @@ WALK_LIMITS = ("token_budget", "batch_full", "refused")
 # stock had already seen complete (its acks are drained a pass later).
 # Nor is which tier a cached page came from: another request's load-back may have
 # put it on the device first (``host_loaded``; the cached tokens are an outcome).
-NOT_OUTCOMES = ("polled", "finished", "host_loaded")
+# What device and host held of a prompt at its arrival moves with the timing of
+# others' reads and load-backs (``matched``).
+NOT_OUTCOMES = ("polled", "finished", "host_loaded", "matched")
 # The scheduler's side of a request's end: an abort that reaches the plugin's run
 # while the request still waits for an admission stock already made is a race.
 SCHEDULER_ENDS = ("aborted", "admitted", "admission")
@@ -60,12 +63,15 @@ def passes_of(result: dict, kind: str) -> dict:
     return {json.dumps(k): at for at, k, what, _ in result["events"] if what == kind}
 
 
-def lateness(spec: dict, stock: dict, plugin: dict, most: int, earlier: bool = False):
+def lateness(spec: dict, stock: dict, plugin: dict, most: int, earlier: bool = False,
+             since: Optional[dict] = None):  # fmt: skip
     """``late_ok(key, stock_pass, plugin_pass)``: the plugin may admit at most
-    ``most`` passes later (from the request's arrival in each run), or later
+    ``most`` passes later (from the request's arrival in each run, or in the
+    plugin's from ``since[key]``: where read once held its start), or later
     where its walk could not reach the request (a full pass, a cutoff); never
     earlier, unless ``earlier``."""
     s_arr, p_arr = passes_of(stock, "arrived"), passes_of(plugin, "arrived")
+    p_from = {**p_arr, **(since or {})}
     limits = spec.get("limits", {})
     full = set(limits.get("full", ()))
     cutoff = {int(q): a for q, a in limits.get("cutoff", {}).items()}
@@ -74,7 +80,7 @@ def lateness(spec: dict, stock: dict, plugin: dict, most: int, earlier: bool = F
         return q in full or (q in cutoff and p_arr.get(key, -1) >= cutoff[q])
 
     def late_ok(key: str, s_at: int, p_at: int) -> bool:
-        expected = p_arr.get(key, 0) + s_at - s_arr.get(key, 0)
+        expected = p_from.get(key, 0) + s_at - s_arr.get(key, 0)
         if p_at < expected:
             return earlier
         return all(blocked(key, q) for q in range(expected + most, p_at))
@@ -82,19 +88,24 @@ def lateness(spec: dict, stock: dict, plugin: dict, most: int, earlier: bool = F
     return late_ok
 
 
-def held_starts(result: dict) -> set[str]:
+READ_ONCE = "read_once"  # a hold's ``why`` where read once held the start
+
+
+def held_starts(result: dict) -> dict[str, int]:
     """The requests whose prefetch start the plugin held until their pass's decisions
     landed (its ``hold`` events, ``pass``): their own read starts up to depth passes
-    later, so its decisions land up to depth passes later too."""
-    return {json.dumps(f["key"]) for kind, f in result.get("plugin_events", [])
-            if kind == "hold" and f.get("why") == "pass"}  # fmt: skip
+    later, so its decisions land up to depth passes later too; and as many passes more
+    as the hold lasted longer behind a read that itself started late (``longer``)."""
+    return {json.dumps(f["key"]): f.get("longer", 0) for kind, f in result.get(
+        "plugin_events", []) if kind == "hold" and f.get("why") == "pass"}  # fmt: skip
 
 
 def most_late(spec: dict, result: dict, key: str) -> int:
     """How many passes after stock the plugin may admit ``key``: depth + 1, and depth
-    more where its start was held (docs/design.md, "The bound on a held start")."""
-    depth = depth_of(spec)
-    return depth + 1 + (depth if key in held_starts(result) else 0)
+    more where its start was held (docs/design.md, "The bound on a held start"), and
+    as many more as that hold waited behind a late read."""
+    depth, held = depth_of(spec), held_starts(result)
+    return depth + 1 + (depth + held[key] if key in held else 0)
 
 
 def admissions(result: dict) -> dict:
@@ -150,11 +161,46 @@ def limited_by(spec: dict, stock: dict, plugin: dict) -> list[str]:
     for kind, race in (("retracted", "retract_race"), ("device_evicted", "device_race")):
         if events_of(stock, kind) != events_of(plugin, kind):
             why.append(race)
+    # a cutoff (the batch full from an arrival on) that broke the walk at another
+    # request, or in one run only: it met the queue in another state
+    if cutoffs(stock) != cutoffs(plugin):
+        why.append("cutoff_race")
     if operator(stock) != operator(plugin):
         why.append("operator_race")
     if start_raced(spec, stock, plugin):
         why.append("start_race")
+    if full_raced(spec, stock, plugin):
+        why.append("full_race")
     return why
+
+
+def in_flight(result: dict, at: int) -> set[str]:
+    """The requests whose prefetch was ongoing at pass ``at``."""
+    return {k for k, ops in result.get("ops", {}).items()
+            if any(e["started"] <= at < e.get("released", at + 1) for e in ops)}  # fmt: skip
+
+
+def held_at(result: dict, at: int) -> set[str]:
+    """The requests whose start the plugin held over pass ``at``."""
+    since: dict[str, int] = {}
+    out: set[str] = set()
+    for kind, f in result.get("plugin_events", []):
+        key = json.dumps(f.get("key"))
+        if kind == "hold":
+            since[key] = f["at"]
+        elif kind == "release" and key in since:
+            if since.pop(key) <= at < f["at"]:
+                out.add(key)
+    return out | {k for k, t in since.items() if t <= at}
+
+
+def full_raced(spec: dict, stock: dict, plugin: dict) -> bool:
+    """A full pass (no walk) over a request whose read stock had started and the
+    plugin held: the deadline check the pass skipped, or the first blocked poll that
+    starts its timer, falls at another point of its read: limited, as any full batch
+    (``start_race`` is the other way round)."""
+    return any(in_flight(stock, q) & held_at(plugin, q)
+               for q in spec.get("limits", {}).get("full", ()))  # fmt: skip
 
 
 def start_raced(spec: dict, stock: dict, plugin: dict) -> bool:
@@ -180,6 +226,10 @@ def first_passes(result: dict, kind: str) -> dict:
         if what == kind:
             out.setdefault(json.dumps(k), at)
     return out
+
+
+def cutoffs(result: dict) -> list:
+    return sorted(json.dumps([lim[0], lim[2]]) for lim in result["limits"] if lim[1] == "cutoff")
 
 
 def events_of(result: dict, kind: str) -> list:

@@ -88,6 +88,11 @@ class Scheduler:
             return self.prealloc(req, p)
         declined = self.stats()
         Upstream._add_request_to_queue(self.shim, req)
+        # what device and host held of the prompt at arrival (the match
+        # _prefetch_kvcache made; unset without storage): the host-served clause
+        matched = getattr(req, "storage_prefetch_last_match_len", None)
+        if matched is not None:
+            self.record.add(self.key(rid), "matched", matched)
         if self.stats() != declined:
             self.limits.append((p, "declined_rate_limited", self.key(rid)))
 

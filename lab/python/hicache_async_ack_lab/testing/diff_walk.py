@@ -39,6 +39,7 @@ def walk(sched, p: int) -> list:
     for req in list(shim.waiting_queue):
         key = handle_key(req.cache_request_handle)
         if cutoff is not None and sched.arrived[req.rid] >= cutoff:
+            sched.limits.append((p, "cutoff", key))
             break  # the batch is full from here on (by arrival)
         if adder.budget_state() == AddReqResult.OTHER:
             sched.limits.append((p, "token_budget", key))
