@@ -40,8 +40,10 @@ from hicache_async_ack_lab.testing import (
     diff_records,
 )
 from hicache_async_ack_lab.testing.diff_findings import (
+    CHAINED,
     FINDINGS,
     HELD_LATE,
+    NO_WAIT,
     READ_ONCE,
     REATTACH,
     SHARED_PREFIX,
@@ -54,7 +56,8 @@ from hicache_async_ack_lab.testing.diff_records import depth_of
 
 SEED, RANDOM = 52, 30
 NEGATIVE = [s for s in FINDINGS + UNDER_LOAD if s["negative"]]
-ISSUE_52 = SHARED_PREFIX + READ_ONCE + WAIT_BOUND + VOTES_OFF_FINDINGS + HELD_LATE + REATTACH
+ISSUE_52 = (SHARED_PREFIX + READ_ONCE + WAIT_BOUND + NO_WAIT + VOTES_OFF_FINDINGS + HELD_LATE
+            + CHAINED + REATTACH)  # fmt: skip
 BY_NAME = {s["name"]: s for s in FINDINGS + UNDER_LOAD + ISSUE_52}
 
 
@@ -263,6 +266,34 @@ def test_a_request_waiting_on_a_read_is_served_within_the_bound(runs, spec):
     assert diff_checks.overspent(spec, s, p) == [] or diff_compare.limited_by(spec, s, p)
 
 
+@pytest.mark.parametrize("spec", NO_WAIT, ids=[s["name"] for s in NO_WAIT])
+def test_read_once_never_waits_on_a_read_that_may_never_end(runs, spec):
+    """Under wait_complete a read ends only when it completes: A's never does. B does
+    not wait on it (a pass hold at most) and is served as stock's B, its own read."""
+    name = spec["name"]
+    p, s = arm(runs, "plugin", name), arm(runs, "stock", name)
+    holds = [f for k, f in p["plugin_events"] if k == "hold"]
+    assert holds, "B's start met A's read in flight"
+    assert [f["why"] for f in holds] == ["pass"], holds
+    admitted_s, admitted_p = diff_checks.admitted(s), diff_checks.admitted(p)
+    assert '["B", 0]' in admitted_s
+    assert admitted_p.get('["B", 0]', (None,))[1:3] == admitted_s['["B", 0]'][1:3]
+    assert diff_checks.hard_violations(spec, runs["stock"], runs["plugin"]) == []
+
+
+@pytest.mark.parametrize("spec", CHAINED, ids=[s["name"] for s in CHAINED])
+def test_a_hold_behind_a_late_read_still_matches_what_stock_matched(runs, spec):
+    """A's start was held, so its read lands two passes after stock's; B, arriving
+    after stock's landing, is held that much longer and matches A's pages as stock's
+    B did: no L3 read of its own, every hard clause holds."""
+    name = spec["name"]
+    p = arm(runs, "plugin", name)
+    hold = next(f for k, f in p["plugin_events"] if k == "hold" and f["key"] == ["B", 0])
+    assert hold["longer"] == 2, hold
+    assert diff_checks.admitted(p)['["B", 0]'][1:3] == (0, 4)  # nothing from L3, 4 cached
+    assert diff_checks.hard_violations(spec, runs["stock"], runs["plugin"]) == []
+
+
 @pytest.mark.parametrize("spec", VOTES_OFF_FINDINGS, ids=[s["name"] for s in VOTES_OFF_FINDINGS])
 def test_the_votes_off_are_stocks_storage_path(runs, spec):
     """Item 3: SGLANG_ENABLE_HICACHE_ASYNC_PREFETCH_VOTES=0 keeps upstream's
@@ -387,6 +418,8 @@ PAST = {"a prefetch started past the limiter": 1}
         [9, ["z", 0], "alloc", [4, 4]]), "pages: plugin"),
     ("i2_cut_one_newcomer", later, "host-served"),
     ("r1_in_flight_one_newcomer", lambda r: r.update(keys_read=10 ** 6), "keys_read"),
+    ("w_awaited_cut", lambda r: [f.update(at=f["at"] + 3) for k, f in r["plugin_events"]
+                                 if k == "release"], "released at pass"),
 ])  # fmt: skip
 def test_the_hard_checks_see_each_violation(runs, name, tamper, said):
     """Negative controls of the hard checks: each clause, broken in the plugin's

@@ -39,7 +39,7 @@ class Ongoing(NamedTuple):
     operation: Any = None
 
 
-def cache(page_size=2, threshold=4, **reads):
+def cache(page_size=2, threshold=4, policy="timeout", **reads):
     """ongoing_prefetch as upstream keeps it: handle -> _OngoingPrefetch."""
     ongoing = {Handle(rid): Ongoing(anchor, Key(tokens)) for rid, (anchor, tokens) in
                reads.items()}  # fmt: skip
@@ -47,6 +47,7 @@ def cache(page_size=2, threshold=4, **reads):
         ongoing_prefetch=ongoing,
         page_size=page_size,
         prefetch_threshold=threshold,
+        prefetch_stop_policy=policy,
         tree_core=SimpleNamespace(is_eagle=False),
     )
 
@@ -78,9 +79,10 @@ def remainder(tokens, anchor="n1"):
 def choose(starts, c, rid, tokens, read_once=False, interval=7, anchor="n1"):
     handle = Handle(rid)
     req = SimpleNamespace(cache_request_handle=handle)
+    now = -1 if interval is None else interval - 1
     return starts.starting(
         Scheduler(starts), req, None,
-        lambda: starts.choose(c, handle, remainder(tokens, anchor), read_once, interval),
+        lambda: starts.choose(c, handle, remainder(tokens, anchor), read_once, now, interval),
     )  # fmt: skip
 
 
@@ -138,12 +140,12 @@ def test_only_a_schedulers_start_is_held():
     starts, _ = starts_with_context()
     c = cache(a=("n1", [1, 2, 3, 4]))
     # no _prefetch_kvcache around it (a PD decode prealloc's own start)
-    assert starts.choose(c, Handle("b"), remainder([1, 2, 3, 4]), True, 7) is None
+    assert starts.choose(c, Handle("b"), remainder([1, 2, 3, 4]), True, 6, 7) is None
     # another request's start inside this one's _prefetch_kvcache
     req = SimpleNamespace(cache_request_handle=Handle("x"))
     got = starts.starting(Scheduler(starts), req, None,
                           lambda: starts.choose(c, Handle("b"), remainder([1, 2, 3, 4]),
-                                                True, 7))  # fmt: skip
+                                                True, 6, 7))  # fmt: skip
     assert got is None
     c.tree_core.is_eagle = True  # bigram keys: a shared prefix is not a token prefix
     assert choose(starts, c, "b", [1, 2, 3, 4]) is None
@@ -157,7 +159,7 @@ def test_held_starts_run_again_when_due_in_hold_order():
         req = SimpleNamespace(cache_request_handle=Handle(rid))
 
         def decide(h=req.cache_request_handle, at=interval):
-            return starts.choose(c, h, remainder([1, 2]), False, at)
+            return starts.choose(c, h, remainder([1, 2]), False, at - 1, at)
 
         held = starts.starting(scheduler, req, 11, decide)
         assert held is not None
@@ -166,7 +168,7 @@ def test_held_starts_run_again_when_due_in_hold_order():
     due = starts.due(3)
     assert [s.handle.rid for s in due] == ["b", "d"]
     for s in due:
-        starts.run(s)
+        starts.run(s, 3)
     assert scheduler.calls == [(Handle("b"), 11), (Handle("d"), 11)]
     assert starts.is_held(Handle("c")) and not starts.is_held(Handle("b"))
     assert [k for k, _ in events].count("hold") == 3
@@ -210,6 +212,53 @@ def test_nothing_is_kept_once_every_start_ran(read_once):
     starts.hold(held)
     c.ongoing_prefetch.clear()
     for s in starts.due(1) + starts.landed(c):
-        starts.run(s)
+        starts.run(s, 1)
     starts.admitted(Handle("b"))
-    assert not starts.held and not starts.waited
+    assert not starts.held and not starts.waited and not starts.late
+
+
+def test_read_once_never_waits_under_wait_complete():
+    """There a read ends only when it completes: one that hangs would hang every request
+    waiting on it, where stock's own reads hang only their own; a pass hold only."""
+    starts, _ = starts_with_context()
+    c = cache(threshold=2, policy="wait_complete", a=("n1", [1, 2, 3, 4]))
+    held = choose(starts, c, "b", [1, 2, 3, 4], read_once=True)
+    assert held is not None and held.why == "pass" and held.awaits is None
+    c.prefetch_stop_policy = "best_effort"  # the walk's first reach ends it
+    held = choose(starts, c, "e", [1, 2, 3, 4], read_once=True)
+    assert held is not None and held.why == "read_once"
+
+
+class Rerun(Scheduler):
+    """_prefetch_kvcache that reads: the start's read goes into flight."""
+
+    def __init__(self, starts, c):
+        super().__init__(starts)
+        self.c = c
+
+    def _prefetch_kvcache(self, req: Any, storage_hit_end: Optional[int] = None) -> None:
+        super()._prefetch_kvcache(req, storage_hit_end)
+        self.starts.rerun_tokens = 4
+        self.c.ongoing_prefetch[req.cache_request_handle] = Ongoing("n1", Key([1, 2, 3, 4]))
+
+
+def test_a_pass_hold_behind_a_read_that_started_late_lasts_as_much_longer():
+    """A's start was held 3 passes, so its read lands 3 passes after stock's: B, covered
+    by it, is held 3 passes past its own interval, so it still matches what stock's B
+    matched at its arrival (A's pages) instead of reading them again."""
+    starts, _ = starts_with_context()
+    c = cache(x=("n1", [1, 2, 3, 4]))
+    a = choose(starts, c, "a", [1, 2, 3, 4], interval=5)
+    assert a is not None and a.interval == 5 and a.held_at == 4
+    starts.hold(a)
+    del c.ongoing_prefetch[Handle("x")]
+    scheduler = Rerun(starts, c)
+    for s in starts.due(5):
+        s.scheduler = scheduler
+        starts.run(s, 7)
+    assert starts.late == {Handle("a"): 3}
+    b = choose(starts, c, "b", [1, 2, 3, 4], interval=9)
+    assert b is not None and b.why == "pass" and b.interval == 9 + 3
+    del c.ongoing_prefetch[Handle("a")]  # A's read left: nothing is kept for it
+    starts.landed(c)
+    assert not starts.late

@@ -231,7 +231,7 @@ class PrefetchVoteState(FeatureState):
             return run()  # no section carries this interval, no read lands in the tree, or
             # its own read is in flight (upstream returns at once)
         # a start outside a boundary is of the interval the next boundary closes
-        held = starts.choose(cache, handle, want, self.read_once, self.passes + 1)
+        held = starts.choose(cache, handle, want, self.read_once, self.passes, self.passes + 1)
         if held is None:
             return run()
         starts.hold(held)
@@ -266,7 +266,7 @@ class PrefetchVoteState(FeatureState):
         """Run released starts in the order they were held, on the state as it is."""
         metrics = self.vote_metrics()
         for start in due:
-            asked = self.starts.run(start)
+            asked = self.starts.run(start, self.passes)
             if metrics is not None and start.why == READ_ONCE:
                 metrics.on_read_once(0 if asked is None else max(0, start.tokens - asked))
 

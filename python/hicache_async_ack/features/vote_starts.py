@@ -13,8 +13,10 @@ their anchors and keys; never a rank's own progress):
   before the arrival and before that boundary's pops, the plugin holds what stock held
   when the request arrived; the start then runs through upstream's code, as stock's did.
 * read once (``READ_ONCE``, its own setting): where the read covers at least
-  ``prefetch_threshold`` tokens, until that read lands (complete, cut, aborted, failed,
-  or gone with a flush or a detach), once per request; the start then matches the host
+  ``prefetch_threshold`` tokens and its policy ends it for sure (``timeout``: its
+  deadline; ``best_effort``: the walk's first reach; never ``wait_complete``), until
+  that read lands (complete, cut, aborted, failed, or gone with a flush or a detach),
+  once per request; the start then matches the host
   and reads only the rest (a rest shorter than the threshold, SGLang's own bar for an L3
   read, is not read: up to threshold - 1 tokens fewer than stock's one read brought).
 
@@ -38,7 +40,7 @@ from typing import (
 )
 
 from ..kit.views import Cache, Request, RequestHandle, Scheduler
-from ..protocol.votes import covering
+from ..protocol.votes import WAIT_COMPLETE, covering, shared_tokens
 
 Emit = Callable[..., None]
 T = TypeVar("T")
@@ -58,7 +60,8 @@ class Start:
     tokens: int  # the L3 remainder it asked for when held
     why: Why
     awaits: Optional[Hashable]  # READ_ONCE: the handle whose read it waits for
-    interval: int  # PASS: the interval it arrived in (released with its section)
+    interval: int  # PASS: the interval whose section releases it
+    held_at: int  # the pass it was held at (its start in stock)
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,8 @@ class Starts:
         self.context: Optional[tuple[Scheduler, Request, Optional[int]]] = None  # req's end
         self.rerun: Optional[Hashable] = None  # the handle whose held start runs now
         self.rerun_tokens: Optional[int] = None  # what that re-run asked L3 for
+        # per read in flight from a held start: how many passes after stock's it started
+        self.late: dict[Hashable, int] = {}
         self.emit = emit
 
     def starting(
@@ -119,33 +124,44 @@ class Starts:
         self.waited.discard(handle)
 
     def choose(self, cache: Cache, handle: Hashable, want: Remainder, read_once: bool,
-               interval: Optional[int]) -> Optional[Start]:  # fmt: skip
-        """The hold for this start (None: it runs now); ``interval``: the open interval,
-        where a section will carry it."""
+               now: int, interval: Optional[int]) -> Optional[Start]:  # fmt: skip
+        """The hold for this start (None: it runs now); ``now``: this pass; ``interval``:
+        the open interval, where a section will carry it."""
         context = self.context
         if context is None or context[1].cache_request_handle != handle:
             return None  # not a scheduler's start (a PD decode prealloc asks on its own)
         if cache.tree_core.is_eagle:
             return None  # bigram keys: a shared prefix is not a token prefix
         page = cache.page_size
-        found = covering(reads_from(cache, want), want.tokens, page)
+        reads = list(reads_from(cache, want))
+        found = covering(reads, want.tokens, page)
         if found is None:
             return None
         awaits, shared = found
         scheduler, req, end = context
         tokens = len(want.tokens) - len(want.tokens) % page
         # read once where the read ahead brings at least what SGLang deems worth an L3
-        # read (a rest it then finds too short for one is not read: SGLang's own bar)
-        if read_once and handle not in self.waited and shared >= cache.prefetch_threshold:
+        # read (a rest it then finds too short for one is not read: SGLang's own bar),
+        # and ends for sure: under wait_complete a read ends only when it completes, so
+        # one that hangs would hang every request waiting on it, where stock's own
+        # reads hang only their own requests
+        if (read_once and handle not in self.waited and shared >= cache.prefetch_threshold
+                and cache.prefetch_stop_policy != WAIT_COMPLETE):  # fmt: skip
             self.waited.add(handle)
-            return Start(handle, scheduler, req, end, tokens, READ_ONCE, awaits, -1)
+            return Start(handle, scheduler, req, end, tokens, READ_ONCE, awaits, -1, now)
         if interval is None:
             return None
-        return Start(handle, scheduler, req, end, tokens, PASS, None, interval)
+        # a read that itself started late (held) lands as much later again: the hold
+        # lasts as much longer as the latest of them, so the start still matches what
+        # stock's matched
+        late = max((self.late.get(h, 0) for h, t in reads
+                    if shared_tokens(t, want.tokens, page) > 0), default=0)  # fmt: skip
+        return Start(handle, scheduler, req, end, tokens, PASS, None, interval + late, now)
 
     def hold(self, start: Start) -> None:
         self.held[start.handle] = start
-        self.emit("hold", key=key_of(start.handle), why=start.why,
+        longer = max(0, start.interval - start.held_at - 1)  # PASS: behind a late read
+        self.emit("hold", key=key_of(start.handle), why=start.why, longer=longer,
                   awaits=None if start.awaits is None else key_of(start.awaits))  # fmt: skip
 
     def drop(self, handle: Hashable) -> None:
@@ -161,6 +177,8 @@ class Starts:
     def landed(self, cache: Cache) -> list[Start]:
         """The READ_ONCE holds whose read is no longer in flight."""
         live = cache.ongoing_prefetch
+        if self.late:
+            self.late = {h: n for h, n in self.late.items() if h in live}
         return self._take(s for s in self.held.values() if s.why == READ_ONCE
                           and s.awaits not in live)  # fmt: skip
 
@@ -173,14 +191,17 @@ class Starts:
             del self.held[s.handle]
         return out
 
-    def run(self, start: Start) -> Optional[int]:
+    def run(self, start: Start, now: int) -> Optional[int]:
         """Run ``start`` again through the scheduler's (hooked) ``_prefetch_kvcache``, on
-        the state as it is now; returns the tokens its read asked for (None: no read)."""
+        the state as it is now (pass ``now``); returns the tokens its read asked for
+        (None: no read)."""
         self.rerun, self.rerun_tokens = start.handle, None
         try:
             start.scheduler._prefetch_kvcache(start.req, start.storage_hit_end)
         finally:
             self.rerun = None
+        if self.rerun_tokens is not None and now > start.held_at:
+            self.late[start.handle] = now - start.held_at
         self.emit("release", key=key_of(start.handle), why=start.why,
                   tokens=start.tokens, now=self.rerun_tokens)  # fmt: skip
         return self.rerun_tokens
@@ -189,6 +210,7 @@ class Starts:
         """The tree was reset: no request waits (flush_cache runs on an idle scheduler)."""
         self.held.clear()
         self.waited.clear()
+        self.late.clear()
 
 
 def key_of(handle: Hashable) -> tuple[str, int]:

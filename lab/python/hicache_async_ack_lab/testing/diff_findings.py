@@ -216,6 +216,26 @@ WAIT_BOUND = [
            retry={"interval": 1, "attempts": 4}, env=READ_ONCE_ON),
 ]  # fmt: skip
 
+# Read once waits only behind a read that ends for sure: under wait_complete a read
+# ends only when it completes. A's never does; B reads its own, as stock's B.
+NO_WAIT = [
+    shared("w_no_wait_under_wait_complete",
+           req("A", 0, 8, None, A8, [[[1, 1], 4]], family=[0, 8]),
+           newcomer("B", 1), policy="wait_complete", env=READ_ONCE_ON),
+]  # fmt: skip
+
+# A held start behind a read that itself started late (read once off, depth 1): X's
+# read never ends; A arrives at pass 1 covered by it, so its start is held two passes
+# and its read lands two passes after stock's (at pass 3). B arrives at pass 4, where
+# stock's B matches A's 4 pages (its own 2 too short to read). B's hold lasts those two
+# passes longer, so it still matches them instead of reading them again from L3.
+CHAINED = [
+    shared("h_behind_a_late_read",
+           req("X", 0, 8, None, A8, [[[1, 1], 2]], family=[0, 8]),
+           req("A", 1, 8, None, A8, [[[1, 1], 8]], [2, 2], family=[0, 8]),
+           newcomer("B", 4), passes=24),
+]  # fmt: skip
+
 # Item 3: the votes off (upstream's per-request reduce in the walk) while the ack sync
 # pipelines, so completions are popped depth passes late.
 VOTES_OFF = {PREFETCH_VOTES_VAR: "0"}
