@@ -259,6 +259,14 @@ def test_a_pass_hold_behind_a_read_that_started_late_lasts_as_much_longer():
     assert starts.late == {Handle("a"): 3}
     b = choose(starts, c, "b", [1, 2, 3, 4], interval=9)
     assert b is not None and b.why == "pass" and b.interval == 9 + 3
-    del c.ongoing_prefetch[Handle("a")]  # A's read left: nothing is kept for it
+    starts.hold(b)
+    for s in starts.due(12):  # B's read starts 5 passes late, 3 of them behind A's
+        s.scheduler = scheduler
+        starts.run(s, 13)
+    assert starts.late[Handle("b")] == 2  # its own hold only: a chain does not add up
+    third = choose(starts, c, "c", [1, 2, 3, 4], interval=14)
+    assert third is not None and third.interval == 14 + 3  # the latest: A (3), B (2)
+    del c.ongoing_prefetch[Handle("a")]  # A's and B's reads left: nothing kept
+    del c.ongoing_prefetch[Handle("b")]
     starts.landed(c)
     assert not starts.late

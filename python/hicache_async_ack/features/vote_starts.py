@@ -63,6 +63,11 @@ class Start:
     interval: int  # PASS: the interval whose section releases it
     held_at: int  # the pass it was held at (its start in stock)
 
+    @property
+    def longer(self) -> int:
+        """PASS: how many passes it is held past its own interval, behind a late read."""
+        return max(0, self.interval - self.held_at - 1) if self.why == PASS else 0
+
 
 @dataclass(frozen=True)
 class Remainder:
@@ -152,16 +157,16 @@ class Starts:
         if interval is None:
             return None
         # a read that itself started late (held) lands as much later again: the hold
-        # lasts as much longer as the latest of them, so the start still matches what
-        # stock's matched
+        # lasts as much longer as the latest of them (by their own holds, so the extra
+        # passes never add up along a chain), so the start still matches what stock's
+        # matched
         late = max((self.late.get(h, 0) for h, t in reads
                     if shared_tokens(t, want.tokens, page) > 0), default=0)  # fmt: skip
         return Start(handle, scheduler, req, end, tokens, PASS, None, interval + late, now)
 
     def hold(self, start: Start) -> None:
         self.held[start.handle] = start
-        longer = max(0, start.interval - start.held_at - 1)  # PASS: behind a late read
-        self.emit("hold", key=key_of(start.handle), why=start.why, longer=longer,
+        self.emit("hold", key=key_of(start.handle), why=start.why, longer=start.longer,
                   awaits=None if start.awaits is None else key_of(start.awaits))  # fmt: skip
 
     def drop(self, handle: Hashable) -> None:
@@ -200,8 +205,11 @@ class Starts:
             start.scheduler._prefetch_kvcache(start.req, start.storage_hit_end)
         finally:
             self.rerun = None
-        if self.rerun_tokens is not None and now > start.held_at:
-            self.late[start.handle] = now - start.held_at
+        # its own lateness only, not the read it was held behind: a herd of starts, each
+        # covered by the one before, would otherwise wait longer and longer
+        own = now - start.held_at - start.longer
+        if self.rerun_tokens is not None and own > 0:
+            self.late[start.handle] = own
         self.emit("release", key=key_of(start.handle), why=start.why,
                   tokens=start.tokens, now=self.rerun_tokens)  # fmt: skip
         return self.rerun_tokens
