@@ -103,7 +103,7 @@ class Starts:
         self.context: Optional[tuple[Scheduler, Request, Optional[int]]] = None  # req's end
         self.rerun: Optional[Hashable] = None  # the handle whose held start runs now
         self.rerun_tokens: Optional[int] = None  # what that re-run asked L3 for
-        # per read in flight from a held start: how many passes after stock's it started
+        # per read in flight from a held start: the passes its own hold delayed it
         self.late: dict[Hashable, int] = {}
         self.emit = emit
 
@@ -180,7 +180,8 @@ class Starts:
         return self._take(s for s in self.held.values() if s.why == PASS and s.interval <= interval)
 
     def landed(self, cache: Cache) -> list[Start]:
-        """The READ_ONCE holds whose read is no longer in flight."""
+        """The READ_ONCE holds whose read is no longer in flight (and forget how late
+        the reads that left were)."""
         live = cache.ongoing_prefetch
         if self.late:
             self.late = {h: n for h, n in self.late.items() if h in live}
