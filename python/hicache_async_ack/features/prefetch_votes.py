@@ -69,6 +69,10 @@ MISMATCH_HINTS = {
 }
 ADDER_CLASS = "sglang.srt.managers.schedule_policy.PrefillAdder"
 SCHEDULER_CLASS = "sglang.srt.managers.scheduler.Scheduler"
+# dynamic_blocker's answers that name no value: built once (asked twice a pass)
+LINKER = blocking("external cache linker attached (no ack-count reduce)", "linker")
+NO_CONTROLLER = blocking("HiCache controller not attached", "no_controller")
+NO_STORAGE = blocking("no storage backend attached (no prefetch to decide)", "no_storage")
 
 
 def static_decision(
@@ -119,11 +123,11 @@ class PrefetchVoteState(FeatureState):
     def dynamic_blocker(self, cache: Cache) -> Optional[Decision]:
         """Why no section holds this pass's walk (the setting aside; shared by all ranks)."""
         if getattr(cache, "linker", None) is not None:  # first: it takes the controller's place
-            return blocking("external cache linker attached (no ack-count reduce)", "linker")
+            return LINKER
         if cache.cache_controller is None:
-            return blocking("HiCache controller not attached", "no_controller")
+            return NO_CONTROLLER
         if not cache.enable_storage:
-            return blocking("no storage backend attached (no prefetch to decide)", "no_storage")
+            return NO_STORAGE
         if cache.pp_size != 1:
             return blocking(f"pp_size={cache.pp_size} (PP0 decides, sent along PP)", "pp")
         policy = cache.prefetch_stop_policy
@@ -182,9 +186,15 @@ class PrefetchVoteState(FeatureState):
         """Before check_hicache_events: release the last pass's pins, pick the carrier
         (with upstream's, the votes' first exchange once)."""
         self.passes += 1
-        self.landing.pins.release_all(cache)
-        self.run_starts(cache, self.starts.landed(cache) if cache.enable_storage
-                        else self.starts.every())  # fmt: skip
+        if self.landing.pins.held:
+            self.landing.pins.release_all(cache)
+        if not cache.enable_storage:
+            # nothing to decide (dynamic_blocker): what a detach left held runs; the
+            # carrier is picked only where it matters, on a pass with storage attached
+            if self.starts.held:
+                self.run_starts(cache, self.starts.every())
+            return
+        self.run_starts(cache, self.starts.landed(cache))
         self.mode = carrier_mode(carrier.pipelines(cache))
         if self.mode == RIDE_UPSTREAM and not self.agreed and super().decide(cache).pipelined:
             try:
@@ -264,6 +274,8 @@ class PrefetchVoteState(FeatureState):
 
     def run_starts(self, cache: Cache, due: Sequence[Start]) -> None:
         """Run released starts in the order they were held, on the state as it is."""
+        if not due:
+            return
         metrics = self.vote_metrics()
         for start in due:
             asked = self.starts.run(start, self.passes)

@@ -177,6 +177,8 @@ class Starts:
 
     def due(self, interval: int) -> list[Start]:
         """The PASS holds of every interval up to ``interval`` (its section was read)."""
+        if not self.held:  # the common pass: nothing held (no generator, no list)
+            return []
         return self._take(s for s in self.held.values() if s.why == PASS and s.interval <= interval)
 
     def landed(self, cache: Cache) -> list[Start]:
@@ -185,11 +187,13 @@ class Starts:
         live = cache.ongoing_prefetch
         if self.late:
             self.late = {h: n for h, n in self.late.items() if h in live}
+        if not self.held:
+            return []
         return self._take(s for s in self.held.values() if s.why == READ_ONCE
                           and s.awaits not in live)  # fmt: skip
 
     def every(self) -> list[Start]:
-        return self._take(self.held.values())
+        return self._take(self.held.values()) if self.held else []
 
     def _take(self, starts: Iterable[Start]) -> list[Start]:
         out = list(starts)

@@ -301,7 +301,7 @@ class PipelinedReduce:
                 f"this cache's reduce #{p.step}", p.flags, lo_f, hi_f)  # fmt: skip
         tails = [(p.token, list(reduced[len(reduced) - p.tail :]))] if p.tail else []
         pops, agreed = out.pops, out.agreed
-        before = dict(pops)
+        before = dict(pops) if pops else None  # None: the step's first reduce (most steps)
         for name, snap, count in zip(p.names, p.ready, reduced):
             if count:
                 if not 0 <= count <= len(snap):
@@ -316,7 +316,8 @@ class PipelinedReduce:
             else:
                 pops.setdefault(name, 0)
                 agreed.setdefault(name, 0)
-        out.parts.append(({n: pops[n] - before.get(n, 0) for n in pops}, tails))
+        mine = dict(pops) if before is None else {n: pops[n] - before.get(n, 0) for n in pops}
+        out.parts.append((mine, tails))
         out.issued_step = p.step
         out.reduces += 1
         out.obs_max = hi_x & OBS_MAX

@@ -39,7 +39,7 @@ def _stats(samples_s: list[float]) -> str:
     return f"min {us.min():7.2f} us  median {np.median(us):7.2f} us  (n={len(us)} batches)"
 
 
-def _sim_cache(arm: str):
+def _sim_cache(storage: bool):
     from hicache_async_ack.sglang_plugin import Collectives, Environment, use_environment
     from hicache_async_ack_lab.sim.cache import build_cache
     from hicache_async_ack_lab.sim.collectives import EchoHandle
@@ -47,15 +47,16 @@ def _sim_cache(arm: str):
     # a profiling stand-in: no process group here
     collectives = Collectives(async_min=lambda group: EchoHandle, world_size=lambda group: 2)
     use_environment(Environment(collectives=collectives))
-    sim = build_cache(tp_group=object(), tp_world_size=2, storage=True)
+    sim = build_cache(tp_group=object(), tp_world_size=2, storage=storage)
     # upstream's blocking _all_reduce as a world of one: the bound's collective,
     # and the pipelined arm's first exchange (it runs through the cache's own)
     sim.cache.__dict__["_all_reduce"] = lambda data, op: None
     return sim
 
 
-def python_cost(steps: int, cprofile: bool) -> None:
-    """Per-step cost of check_hicache_events, pipelined and bound, no gloo."""
+def python_cost(steps: int, cprofile: bool, storage: bool) -> None:
+    """Per-step cost of check_hicache_events, pipelined and bound, no gloo (``storage``:
+    a storage backend attached, its control queues fed, as the bench's --storage)."""
     from sglang.srt.plugins import load_plugins
 
     from hicache_async_ack.env import ENTRY_POINT_NAME, PLUGINS_VAR
@@ -67,7 +68,7 @@ def python_cost(steps: int, cprofile: bool) -> None:
         if n == 1:  # the bound runs first, on the class without hooks
             os.environ[PLUGINS_VAR] = ENTRY_POINT_NAME
             load_plugins()
-        sim = _sim_cache(arm)
+        sim = _sim_cache(storage)
         traffic = Traffic(sim, TRAFFIC, seed=0, rank=0, clock=StepClock(max_delay=2))
         check = sim.cache.check_hicache_events
         prof = cProfile.Profile() if n == 2 else None  # a separate pass: untimed
@@ -178,6 +179,11 @@ def main(argv=None) -> int:
     py = sub.add_parser("python", help="the plugin's Python per step (no gloo)")
     py.add_argument("--steps", type=int, default=5000)
     py.add_argument("--cprofile", action="store_true")
+    py.add_argument(
+        "--storage",
+        action="store_true",
+        help="a storage backend attached (the step bench's --storage)",
+    )
     co = sub.add_parser("collective", help="ways to issue one async all_reduce (2 gloo ranks)")
     co.add_argument("--blocks", type=int, default=20)
     co.add_argument("--per-block", type=int, default=50)
@@ -185,7 +191,7 @@ def main(argv=None) -> int:
     co.add_argument("--gap-ms", type=float, default=2.0)
     args = p.parse_args(argv)
     if args.what == "python":
-        python_cost(args.steps, args.cprofile)
+        python_cost(args.steps, args.cprofile, args.storage)
     else:
         collective_cost(args.blocks, args.per_block, args.size, args.gap_ms)
     return 0
