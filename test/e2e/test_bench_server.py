@@ -502,7 +502,10 @@ def test_the_shared_prompt_workload_on_the_real_server_with_mooncake(tmp_path):
             assert run["l3_bytes_read"] > 0
     assert "keys read/req" in stdout and "read-once / stock" in stdout
     assert "goal at 0 ms" in stdout and "inconclusive" in stdout  # one round: no interval
+    # a visit the flush race killed ran once more in its own folder (the first's logs stay)
     work = tmp_path / "work"
+    if by_arm["stock"]["attempts"] == 2:
+        work = work / "again-stock-r0"
     assert sorted(work.glob("l3-shared-stock-0ms-r0-burst-0-*.prom")), "snapshots not kept"
 
 
