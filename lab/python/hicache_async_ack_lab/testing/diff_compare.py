@@ -32,7 +32,6 @@ from hicache_async_ack_lab.testing.diff_records import (  # noqa: F401 (re-expor
     lifecycle,
     limited_by,
     most_late,
-    passes_of,
     ranks_of,
     read_once,
 )
