@@ -186,13 +186,11 @@ class PrefetchVoteState(FeatureState):
         """Before check_hicache_events: release the last pass's pins, pick the carrier
         (with upstream's, the votes' first exchange once)."""
         self.passes += 1
-        if self.landing.pins.held:
-            self.landing.pins.release_all(cache)
+        self.landing.pins.release_all(cache)
         if not cache.enable_storage:
             # nothing to decide (dynamic_blocker): what a detach left held runs; the
             # carrier is picked only where it matters, on a pass with storage attached
-            if self.starts.held:
-                self.run_starts(cache, self.starts.every())
+            self.run_starts(cache, self.starts.every())
             return
         self.run_starts(cache, self.starts.landed(cache))
         self.mode = carrier_mode(carrier.pipelines(cache))
